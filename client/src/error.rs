@@ -1,0 +1,76 @@
+//! The errors rdmad replies with. Each variant is a real D-Bus error named
+//! `org.rdmad1.Error.<Variant>` whose message says what to do about it. The daemon replies
+//! with this very type, so the names exist in one place.
+
+use zbus::DBusError;
+
+#[derive(Debug, DBusError)]
+#[zbus(prefix = "org.rdmad1.Error")]
+pub enum Error {
+    /// Transport-level failure (not sent by rdmad itself).
+    #[zbus(error)]
+    ZBus(zbus::Error),
+    /// The caller is not allowed to do this.
+    NotAuthorized(String),
+    /// A quota limit would be exceeded; the message names the limit, the current use and
+    /// the configuration key that raises it.
+    QuotaExceeded(String),
+    /// The named object does not exist (or is not visible to the caller).
+    NoSuchObject(String),
+    /// An argument is malformed or out of range; the message names it.
+    InvalidArgument(String),
+    /// The pool has no room for the request.
+    PoolExhausted(String),
+    /// The device or provider does not support the operation.
+    NotSupported(String),
+    /// The device failed the operation.
+    DeviceError(String),
+}
+
+impl Error {
+    /// The D-Bus error name of a reply rdmad sent, e.g. `org.rdmad1.Error.NotAuthorized`,
+    /// or of the underlying method error for transport failures.
+    pub fn dbus_name(&self) -> Option<String> {
+        match self {
+            Error::ZBus(zbus::Error::MethodError(name, _, _)) => Some(name.to_string()),
+            Error::ZBus(_) => None,
+            other => Some(format!("org.rdmad1.Error.{}", other.variant_name())),
+        }
+    }
+
+    fn variant_name(&self) -> &'static str {
+        match self {
+            Error::ZBus(_) => "ZBus",
+            Error::NotAuthorized(_) => "NotAuthorized",
+            Error::QuotaExceeded(_) => "QuotaExceeded",
+            Error::NoSuchObject(_) => "NoSuchObject",
+            Error::InvalidArgument(_) => "InvalidArgument",
+            Error::PoolExhausted(_) => "PoolExhausted",
+            Error::NotSupported(_) => "NotSupported",
+            Error::DeviceError(_) => "DeviceError",
+        }
+    }
+
+    /// True when the failure means nobody owns `org.rdmad1` (the daemon is not running and
+    /// could not be activated).
+    pub fn is_daemon_absent(&self) -> bool {
+        match self {
+            Error::ZBus(zbus::Error::MethodError(name, _, _)) => matches!(
+                name.as_str(),
+                "org.freedesktop.DBus.Error.ServiceUnknown"
+                    | "org.freedesktop.DBus.Error.NameHasNoOwner"
+            ),
+            Error::ZBus(zbus::Error::FDO(e)) => matches!(
+                **e,
+                zbus::fdo::Error::ServiceUnknown(_) | zbus::fdo::Error::NameHasNoOwner(_)
+            ),
+            _ => false,
+        }
+    }
+}
+
+impl From<zbus::fdo::Error> for Error {
+    fn from(e: zbus::fdo::Error) -> Self {
+        Error::ZBus(zbus::Error::FDO(Box::new(e)))
+    }
+}

@@ -1,0 +1,23 @@
+//! Client side of rdmad: the D-Bus names, the wire types, the error names and typed
+//! proxies for every interface. Applications link this crate; it never links libibverbs.
+
+pub mod error;
+pub mod names;
+pub mod proxy;
+pub mod types;
+
+pub use error::Error;
+pub use names::{device_path, BUS_NAME, MANAGER_PATH};
+pub use types::{Capabilities, GidEntry, PortInfo};
+
+/// Connects to the bus rdmad serves on: an explicit address, else `RDMAD_BUS_ADDRESS`,
+/// else the system bus.
+pub async fn connect(address: Option<&str>) -> zbus::Result<zbus::Connection> {
+    let from_env = std::env::var(names::BUS_ADDRESS_ENV).ok();
+    match address.or(from_env.as_deref()) {
+        Some(addr) if addr == "session" => zbus::Connection::session().await,
+        Some(addr) if addr == "system" => zbus::Connection::system().await,
+        Some(addr) => zbus::connection::Builder::address(addr)?.build().await,
+        None => zbus::Connection::system().await,
+    }
+}

@@ -1,0 +1,9 @@
+//! rdmad: a system daemon that owns the host's RDMA resources and lends them to local
+//! processes over D-Bus. The binary is a thin shell over this library.
+//!
+//! Layers, top to bottom (nothing flows up): [`dbus`] → [`policy`] → [`engine`] →
+//! [`provider`].
+
+pub mod lock;
+pub mod memory;
+pub mod provider;

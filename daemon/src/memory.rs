@@ -1,0 +1,169 @@
+//! Shared memory that clients map: one memfd per region, sized once and sealed against
+//! shrinking and growing, mapped shared into the daemon. With the ring code, this is where
+//! rdmad's own `unsafe` lives (the verbs provider holds the rest).
+
+use std::ffi::CStr;
+use std::io;
+use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
+use std::ptr::NonNull;
+
+use nix::fcntl::{fcntl, FcntlArg, SealFlag};
+use nix::sys::memfd::{memfd_create, MemFdCreateFlag};
+use nix::sys::mman::{mmap, munmap, MapFlags, ProtFlags};
+
+/// A memfd of fixed size mapped read-write and shared into the daemon.
+#[derive(Debug)]
+pub struct SharedMemory {
+    fd: OwnedFd,
+    ptr: NonNull<u8>,
+    len: usize,
+}
+
+// SAFETY: the mapping is plain shared memory owned by this value; concurrent access goes
+// through raw-pointer copies (`read_at`/`write_at`), which are sound for shared memory that
+// other processes may write at any time (no references into it are ever handed out).
+unsafe impl Send for SharedMemory {}
+// SAFETY: see `Send`: no method hands out a reference into the mapping.
+unsafe impl Sync for SharedMemory {}
+
+impl SharedMemory {
+    /// Creates a zero-filled memfd of `len` bytes named `name` (visible in
+    /// `/proc/PID/fd`), seals its size and maps it.
+    pub fn create(name: &CStr, len: usize) -> io::Result<SharedMemory> {
+        if len == 0 {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidInput,
+                "shared memory must be at least one byte long",
+            ));
+        }
+        let fd = memfd_create(
+            name,
+            MemFdCreateFlag::MFD_CLOEXEC | MemFdCreateFlag::MFD_ALLOW_SEALING,
+        )?;
+        let size = libc::off_t::try_from(len)
+            .map_err(|_| io::Error::new(io::ErrorKind::InvalidInput, "size too large"))?;
+        nix::unistd::ftruncate(&fd, size)?;
+        fcntl(
+            std::os::fd::AsRawFd::as_raw_fd(&fd),
+            FcntlArg::F_ADD_SEALS(SealFlag::F_SEAL_SHRINK | SealFlag::F_SEAL_GROW),
+        )?;
+        let length = std::num::NonZeroUsize::new(len).expect("len checked above");
+        // SAFETY: a fresh shared mapping of a file we own, at an address the kernel picks;
+        // it aliases no Rust object.
+        let ptr = unsafe {
+            mmap(
+                None,
+                length,
+                ProtFlags::PROT_READ | ProtFlags::PROT_WRITE,
+                MapFlags::MAP_SHARED,
+                &fd,
+                0,
+            )
+        }?;
+        Ok(SharedMemory {
+            fd,
+            ptr: ptr.cast(),
+            len,
+        })
+    }
+
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// The daemon's address of the first byte (what the device is told).
+    pub fn addr(&self) -> u64 {
+        self.ptr.as_ptr() as u64
+    }
+
+    pub fn as_ptr(&self) -> *mut u8 {
+        self.ptr.as_ptr()
+    }
+
+    /// The memfd, to duplicate and pass to a client.
+    pub fn fd(&self) -> BorrowedFd<'_> {
+        self.fd.as_fd()
+    }
+
+    /// Copies `buf.len()` bytes at `offset` out of the mapping.
+    pub fn read_at(&self, offset: usize, buf: &mut [u8]) -> io::Result<()> {
+        self.check_range(offset, buf.len())?;
+        // SAFETY: the range lies inside the live mapping (checked above); the mapping is
+        // shared with other processes, so this is a raw copy, never a reference.
+        unsafe {
+            std::ptr::copy_nonoverlapping(
+                self.ptr.as_ptr().add(offset),
+                buf.as_mut_ptr(),
+                buf.len(),
+            )
+        };
+        Ok(())
+    }
+
+    /// Copies `data` into the mapping at `offset`.
+    pub fn write_at(&self, offset: usize, data: &[u8]) -> io::Result<()> {
+        self.check_range(offset, data.len())?;
+        // SAFETY: as in `read_at`.
+        unsafe {
+            std::ptr::copy_nonoverlapping(data.as_ptr(), self.ptr.as_ptr().add(offset), data.len())
+        };
+        Ok(())
+    }
+
+    /// Fails unless `[offset, offset + len)` lies inside the mapping.
+    pub fn check_range(&self, offset: usize, len: usize) -> io::Result<()> {
+        match offset.checked_add(len) {
+            Some(end) if end <= self.len => Ok(()),
+            _ => Err(io::Error::new(
+                io::ErrorKind::InvalidInput,
+                format!(
+                    "range {offset}+{len} lies outside the {}-byte region",
+                    self.len
+                ),
+            )),
+        }
+    }
+}
+
+impl Drop for SharedMemory {
+    fn drop(&mut self) {
+        // SAFETY: `ptr`/`len` are the mapping made in `create`, unmapped only here.
+        if let Err(e) = unsafe { munmap(self.ptr.cast(), self.len) } {
+            tracing::error!("munmap of a {}-byte region failed: {e}", self.len);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn fresh_memory_is_zero_and_size_is_sealed() {
+        let mem = SharedMemory::create(c"test", 8192).unwrap();
+        let mut buf = vec![0xffu8; 8192];
+        mem.read_at(0, &mut buf).unwrap();
+        assert!(buf.iter().all(|&b| b == 0));
+        assert!(
+            nix::unistd::ftruncate(mem.fd(), 4096).is_err(),
+            "shrink must be sealed"
+        );
+        assert!(
+            nix::unistd::ftruncate(mem.fd(), 16384).is_err(),
+            "grow must be sealed"
+        );
+    }
+
+    #[test]
+    fn out_of_range_access_is_refused() {
+        let mem = SharedMemory::create(c"test", 4096).unwrap();
+        mem.write_at(4090, b"abcdef").unwrap();
+        assert!(mem.write_at(4091, b"abcdef").is_err());
+        assert!(mem.read_at(usize::MAX, &mut [0u8; 2]).is_err());
+        assert!(SharedMemory::create(c"empty", 0).is_err());
+    }
+}

@@ -1,0 +1,195 @@
+//! The verbs abstraction. The engine sees only these traits; two implementations stand
+//! behind them:
+//!
+//! - [`verbs`]: real libibverbs devices through `rdma-sys` (the only `unsafe` besides the
+//!   shared-memory code);
+//! - [`loopback`]: an in-process software device with the same observable behaviour, used
+//!   where the host has no RDMA device and by the unit tests.
+//!
+//! Children hold an `Arc` to their parent (MR → PD → device context), so kernel objects are
+//! destroyed in the right order whatever order the engine drops them in. Operations a device
+//! lacks answer [`ProviderError::NotSupported`]; nothing here panics on a device's behalf.
+
+#[cfg(test)]
+pub(crate) mod conformance;
+pub mod counters;
+pub mod loopback;
+pub mod types;
+pub mod verbs;
+
+use std::fmt;
+use std::sync::Arc;
+
+use crate::memory::SharedMemory;
+pub use counters::{ObjectCounts, ObjectKind};
+pub use types::*;
+
+pub type Result<T, E = ProviderError> = std::result::Result<T, E>;
+
+/// Which implementation serves a device.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum ProviderKind {
+    Verbs,
+    Loopback,
+}
+
+impl ProviderKind {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ProviderKind::Verbs => "verbs",
+            ProviderKind::Loopback => "loopback",
+        }
+    }
+}
+
+impl fmt::Display for ProviderKind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum ProviderError {
+    /// The device (or this build of rdmad) cannot do `operation`.
+    #[error("{device}: {operation} is not supported")]
+    NotSupported {
+        device: String,
+        operation: &'static str,
+    },
+    /// There is no RDMA device to open; the text says why (e.g. no kernel support).
+    #[error("no RDMA device available: {0}")]
+    NoDevices(String),
+    /// A verb failed with an errno.
+    #[error("{device}: {operation} failed: {source}")]
+    Os {
+        device: String,
+        operation: &'static str,
+        #[source]
+        source: std::io::Error,
+    },
+    /// An argument the device would refuse (bad port, bad access flags, range out of bounds).
+    #[error("{device}: {message}")]
+    InvalidArgument { device: String, message: String },
+}
+
+impl ProviderError {
+    pub fn not_supported(device: &str, operation: &'static str) -> Self {
+        ProviderError::NotSupported {
+            device: device.to_owned(),
+            operation,
+        }
+    }
+
+    pub fn invalid(device: &str, message: impl Into<String>) -> Self {
+        ProviderError::InvalidArgument {
+            device: device.to_owned(),
+            message: message.into(),
+        }
+    }
+
+    /// The current `errno` as an [`ProviderError::Os`].
+    pub fn last_os(device: &str, operation: &'static str) -> Self {
+        ProviderError::Os {
+            device: device.to_owned(),
+            operation,
+            source: std::io::Error::last_os_error(),
+        }
+    }
+}
+
+/// An opened RDMA device.
+pub trait Device: Send + Sync + fmt::Debug {
+    /// The device name (`rxe0`, `mlx5_0`, `lo0`).
+    fn name(&self) -> &str;
+    fn provider(&self) -> ProviderKind;
+    /// Identity and capabilities.
+    fn attributes(&self) -> Result<DeviceAttributes>;
+    /// Live state of one port (numbered from 1).
+    fn query_port(&self, port: u8) -> Result<PortAttributes>;
+    /// The populated entries of one port's GID table.
+    fn gid_table(&self, port: u8) -> Result<Vec<GidEntry>>;
+    /// Allocates a protection domain; it keeps the device open while it lives.
+    fn alloc_pd(&self) -> Result<Arc<dyn ProtectionDomain>>;
+    /// How many provider objects of each kind are alive on this device.
+    fn object_counts(&self) -> ObjectCounts;
+}
+
+/// A protection domain: the scope of memory registrations, windows and QPs.
+pub trait ProtectionDomain: Send + Sync + fmt::Debug {
+    /// Registers the whole of `memory` with `access`. The region keeps `memory` mapped and
+    /// the PD alive until it is dropped (deregistered).
+    fn register(&self, memory: Arc<SharedMemory>, access: Access) -> Result<Arc<dyn MemoryRegion>>;
+
+    /// Allocates an unbound memory window.
+    fn alloc_mw(&self, kind: MwType) -> Result<Arc<dyn MemoryWindow>> {
+        let _ = kind;
+        Err(ProviderError::not_supported(
+            self.device_name(),
+            "memory windows",
+        ))
+    }
+
+    /// Creates a completion queue with room for at least `depth` entries.
+    fn create_cq(&self, depth: u32) -> Result<Arc<dyn CompletionQueue>> {
+        let _ = depth;
+        Err(ProviderError::not_supported(
+            self.device_name(),
+            "completion queues",
+        ))
+    }
+
+    /// Creates an RC queue pair in the RESET state.
+    fn create_qp(&self, init: QpInit) -> Result<Arc<dyn QueuePair>> {
+        let _ = init;
+        Err(ProviderError::not_supported(
+            self.device_name(),
+            "queue pairs",
+        ))
+    }
+
+    fn device_name(&self) -> &str;
+}
+
+/// A registered memory region.
+pub trait MemoryRegion: Send + Sync + fmt::Debug {
+    fn lkey(&self) -> u32;
+    fn rkey(&self) -> u32;
+    /// The address the device knows the region by (the daemon's mapping).
+    fn addr(&self) -> u64;
+    fn len(&self) -> usize;
+    fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+    fn access(&self) -> Access;
+    /// The memory behind the registration.
+    fn memory(&self) -> &Arc<SharedMemory>;
+}
+
+/// A memory window; bound and invalidated with work requests on a QP.
+pub trait MemoryWindow: Send + Sync + fmt::Debug {
+    fn kind(&self) -> MwType;
+    /// The rkey of the current binding (changes with every bind).
+    fn rkey(&self) -> u32;
+}
+
+/// A completion queue.
+pub trait CompletionQueue: Send + Sync + fmt::Debug {
+    /// Moves up to `max` completions into `out`; returns how many.
+    fn poll(&self, out: &mut Vec<WorkCompletion>, max: usize) -> Result<usize>;
+}
+
+/// A reliable-connected queue pair.
+pub trait QueuePair: Send + Sync + fmt::Debug {
+    fn qp_num(&self) -> u32;
+    fn state(&self) -> Result<QpState>;
+    /// RESET → INIT on `port` with the given remote access rights.
+    fn to_init(&self, port: u8, access: Access) -> Result<()>;
+    /// INIT → RTR towards `remote`.
+    fn to_rtr(&self, remote: &RemoteEndpoint, attrs: &RtrAttributes) -> Result<()>;
+    /// RTR → RTS.
+    fn to_rts(&self, attrs: &RtsAttributes) -> Result<()>;
+    /// Posts a batch of send-queue work requests.
+    fn post_send(&self, wrs: &[SendWr]) -> Result<()>;
+    /// Posts a batch of receive work requests.
+    fn post_recv(&self, wrs: &[RecvWr]) -> Result<()>;
+}

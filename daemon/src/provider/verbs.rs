@@ -1,0 +1,1 @@
+//! The verbs provider: real RDMA devices through libibverbs (`rdma-sys`).
