@@ -7,3 +7,5 @@
 pub mod lock;
 pub mod memory;
 pub mod provider;
+pub mod config;
+pub mod engine;

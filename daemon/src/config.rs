@@ -1,0 +1,374 @@
+//! The configuration file, `/etc/rdmad/rdmad.toml`: strict (unknown keys are errors) and
+//! validated as a whole before anything uses it. Every error names the file, the line and
+//! the key, so an operator can go straight to the mistake.
+
+use std::collections::HashSet;
+use std::fmt;
+use std::path::{Path, PathBuf};
+
+use serde::Deserialize;
+
+/// Where the packaged configuration lives.
+pub const DEFAULT_PATH: &str = "/etc/rdmad/rdmad.toml";
+
+#[derive(Debug, Clone, Default, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Config {
+    #[serde(default)]
+    pub daemon: DaemonConfig,
+    /// `[[device]]` tables: which devices to serve and how. Empty: every device found.
+    #[serde(default, rename = "device")]
+    pub devices: Vec<DeviceConfig>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct DaemonConfig {
+    /// Which provider serves devices.
+    #[serde(default)]
+    pub provider: ProviderChoice,
+    /// With `provider = "auto"`: serve the loopback device when no RDMA device exists.
+    #[serde(default = "default_true")]
+    pub loopback_fallback: bool,
+    /// Members of this group are administrators (root always is).
+    #[serde(default)]
+    pub admin_group: Option<String>,
+    #[serde(default)]
+    pub log_level: LogLevel,
+}
+
+impl Default for DaemonConfig {
+    fn default() -> Self {
+        DaemonConfig {
+            provider: ProviderChoice::default(),
+            loopback_fallback: true,
+            admin_group: None,
+            log_level: LogLevel::default(),
+        }
+    }
+}
+
+fn default_true() -> bool {
+    true
+}
+
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "lowercase")]
+pub enum ProviderChoice {
+    /// Kernel RDMA devices; the loopback device when there are none and
+    /// `loopback_fallback` allows it.
+    #[default]
+    Auto,
+    /// Kernel RDMA devices only; refuse to start without one.
+    Verbs,
+    /// Only rdmad's in-process loopback device.
+    Loopback,
+}
+
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "lowercase")]
+pub enum LogLevel {
+    Error,
+    Warn,
+    #[default]
+    Info,
+    Debug,
+    Trace,
+}
+
+impl LogLevel {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            LogLevel::Error => "error",
+            LogLevel::Warn => "warn",
+            LogLevel::Info => "info",
+            LogLevel::Debug => "debug",
+            LogLevel::Trace => "trace",
+        }
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct DeviceConfig {
+    /// Device name as the kernel (or `loopback0`) calls it.
+    pub name: String,
+    /// The port QPs use.
+    #[serde(default = "default_port")]
+    pub port: u8,
+    /// Pin the GID index; absent: prefer the RoCE v2 IPv4-mapped GID.
+    #[serde(default)]
+    pub gid_index: Option<u32>,
+}
+
+fn default_port() -> u8 {
+    1
+}
+
+/// A configuration error, located in its file.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ConfigError {
+    pub file: PathBuf,
+    /// 1-based; 0 when the error concerns the file as a whole.
+    pub line: usize,
+    /// The dotted key, e.g. `device[1].name`; empty when the error concerns the file.
+    pub key: String,
+    pub message: String,
+}
+
+impl fmt::Display for ConfigError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}", self.file.display())?;
+        if self.line > 0 {
+            write!(f, ":{}", self.line)?;
+        }
+        if !self.key.is_empty() {
+            write!(f, ": {}", self.key)?;
+        }
+        write!(f, ": {}", self.message)
+    }
+}
+
+impl std::error::Error for ConfigError {}
+
+impl Config {
+    /// Reads and validates `path`.
+    pub fn load(path: &Path) -> Result<Config, ConfigError> {
+        let source = std::fs::read_to_string(path).map_err(|e| ConfigError {
+            file: path.to_owned(),
+            line: 0,
+            key: String::new(),
+            message: format!("cannot read the configuration: {e}"),
+        })?;
+        Config::parse(path, &source)
+    }
+
+    /// Parses and validates `source`, naming `path` in errors.
+    pub fn parse(path: &Path, source: &str) -> Result<Config, ConfigError> {
+        let keys = KeyIndex::new(source);
+        let config: Config = toml::from_str(source).map_err(|e| {
+            let mut line = e
+                .span()
+                .map(|span| source[..span.start.min(source.len())].lines().count().max(1))
+                .unwrap_or(0);
+            let message = e.message().trim().to_owned();
+            let mut key = keys.key_at(line);
+            // serde reports an unknown key at its table; point at the key itself.
+            if let Some(field) = unknown_field(&message) {
+                let dotted = if key.is_empty() { field.to_owned() } else { format!("{key}.{field}") };
+                if let Some(found) = keys.exact_line(&dotted) {
+                    (key, line) = (dotted, found);
+                }
+            }
+            // A duplicate is reported at its first definition; the mistake is the second.
+            if message.starts_with("duplicate key") {
+                if let Some(last) = keys.last_line(&key) {
+                    line = last;
+                }
+            }
+            ConfigError { file: path.to_owned(), line, key, message }
+        })?;
+        config.validate().map_err(|(key, message)| ConfigError {
+            file: path.to_owned(),
+            line: keys.line_of(&key),
+            key,
+            message,
+        })?;
+        Ok(config)
+    }
+
+    /// Checks what the types alone cannot; the error names the key.
+    fn validate(&self) -> Result<(), (String, String)> {
+        if let Some(group) = &self.daemon.admin_group {
+            match nix::unistd::Group::from_name(group) {
+                Ok(Some(_)) => {}
+                Ok(None) => {
+                    return Err((
+                        "daemon.admin_group".into(),
+                        format!("there is no group named {group:?} on this system"),
+                    ))
+                }
+                Err(e) => {
+                    return Err((
+                        "daemon.admin_group".into(),
+                        format!("cannot look up group {group:?}: {e}"),
+                    ))
+                }
+            }
+        }
+        let mut names = HashSet::new();
+        for (i, dev) in self.devices.iter().enumerate() {
+            if dev.name.is_empty() {
+                return Err((format!("device[{i}].name"), "must not be empty".into()));
+            }
+            if !names.insert(dev.name.as_str()) {
+                return Err((
+                    format!("device[{i}].name"),
+                    format!("device {:?} is configured twice", dev.name),
+                ));
+            }
+            if dev.port == 0 {
+                return Err((
+                    format!("device[{i}].port"),
+                    "ports are numbered from 1".into(),
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    /// The `[[device]]` entry for `name`, if any.
+    pub fn device(&self, name: &str) -> Option<&DeviceConfig> {
+        self.devices.iter().find(|d| d.name == name)
+    }
+}
+
+/// The field name in serde's "unknown field `x`, expected …" message.
+fn unknown_field(message: &str) -> Option<&str> {
+    message.strip_prefix("unknown field `")?.split('`').next()
+}
+
+/// Which dotted key each line of a TOML file defines, for error messages. Understands the
+/// layout the shipped file uses (`[table]`, `[[array]]`, `key = value`); anything fancier
+/// falls back to the enclosing table.
+struct KeyIndex {
+    /// (1-based line, dotted key)
+    lines: Vec<(usize, String)>,
+}
+
+impl KeyIndex {
+    fn new(source: &str) -> KeyIndex {
+        let mut lines = Vec::new();
+        let mut table = String::new();
+        let mut array_counts: std::collections::HashMap<String, usize> = Default::default();
+        for (n, raw) in source.lines().enumerate() {
+            let line = raw.trim();
+            if let Some(name) = line.strip_prefix("[[").and_then(|l| l.split("]]").next()) {
+                let name = name.trim().to_owned();
+                let count = array_counts.entry(name.clone()).or_insert(0);
+                table = format!("{name}[{count}]");
+                *count += 1;
+                lines.push((n + 1, table.clone()));
+            } else if let Some(name) = line.strip_prefix('[').and_then(|l| l.split(']').next()) {
+                table = name.trim().to_owned();
+                lines.push((n + 1, table.clone()));
+            } else if let Some((key, _)) = line.split_once('=') {
+                let key = key.trim().trim_matches('"');
+                if !key.is_empty() && !line.starts_with('#') {
+                    let dotted = if table.is_empty() {
+                        key.to_owned()
+                    } else {
+                        format!("{table}.{key}")
+                    };
+                    lines.push((n + 1, dotted));
+                }
+            }
+        }
+        KeyIndex { lines }
+    }
+
+    /// The key defined on `line`, else the table the line belongs to.
+    fn key_at(&self, line: usize) -> String {
+        self.lines
+            .iter()
+            .rev()
+            .find(|(l, _)| *l <= line)
+            .map(|(_, key)| key.clone())
+            .unwrap_or_default()
+    }
+
+    /// The line defining exactly `key`.
+    fn exact_line(&self, key: &str) -> Option<usize> {
+        self.lines.iter().find(|(_, k)| k == key).map(|(line, _)| *line)
+    }
+
+    /// The last line defining exactly `key`.
+    fn last_line(&self, key: &str) -> Option<usize> {
+        self.lines.iter().rev().find(|(_, k)| k == key).map(|(line, _)| *line)
+    }
+
+    /// The line defining `key`, else its table's header line, else 0.
+    fn line_of(&self, key: &str) -> usize {
+        let mut candidate = key;
+        loop {
+            if let Some((line, _)) = self.lines.iter().find(|(_, k)| k == candidate) {
+                return *line;
+            }
+            match candidate.rsplit_once('.') {
+                Some((parent, _)) => candidate = parent,
+                None => return 0,
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn parse(source: &str) -> Result<Config, ConfigError> {
+        Config::parse(Path::new("/etc/rdmad/rdmad.toml"), source)
+    }
+
+    #[test]
+    fn shipped_config_loads_as_is_and_equals_the_defaults() {
+        let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../config/rdmad.toml");
+        let config = Config::load(&path).unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(config, Config::default());
+        assert!(config.daemon.loopback_fallback, "the shipped default allows loopback");
+    }
+
+    #[test]
+    fn empty_file_means_defaults() {
+        assert_eq!(parse("").unwrap(), Config::default());
+    }
+
+    #[test]
+    fn full_file_parses() {
+        let config = parse(
+            "[daemon]\nprovider = \"verbs\"\nloopback_fallback = false\nlog_level = \"debug\"\n\
+             admin_group = \"root\"\n\n[[device]]\nname = \"rxe0\"\nport = 1\ngid_index = 1\n\n\
+             [[device]]\nname = \"mlx5_0\"\n",
+        )
+        .unwrap();
+        assert_eq!(config.daemon.provider, ProviderChoice::Verbs);
+        assert!(!config.daemon.loopback_fallback);
+        assert_eq!(config.daemon.log_level, LogLevel::Debug);
+        assert_eq!(config.devices.len(), 2);
+        assert_eq!(config.device("rxe0").unwrap().gid_index, Some(1));
+        assert_eq!(config.device("mlx5_0").unwrap().port, 1);
+    }
+
+    /// Each bad file is refused with the file, the line and the key of the mistake.
+    #[test]
+    fn errors_name_file_line_and_key() {
+        let cases: &[(&str, usize, &str, &str)] = &[
+            ("[daemon]\nprovidr = \"verbs\"\n", 2, "daemon.providr", "unknown field"),
+            ("[daemon]\n\nprovider = \"verb\"\n", 3, "daemon.provider", "unknown variant"),
+            ("[daemon]\nloopback_fallback = \"yes\"\n", 2, "daemon.loopback_fallback", "invalid type"),
+            ("[deamon]\n", 1, "deamon", "unknown field"),
+            ("[[device]]\nname = \"a\"\n[[device]]\nname = \"b\"\nport = -1\n", 5, "device[1].port", "invalid value"),
+            ("[[device]]\nname = \"a\"\n[[device]]\nname = \"a\"\n", 4, "device[1].name", "configured twice"),
+            ("[[device]]\nname = \"a\"\nport = 0\n", 3, "device[0].port", "numbered from 1"),
+            ("[[device]]\nport = 1\n", 1, "device[0]", "missing field `name`"),
+            ("[daemon]\nadmin_group = \"no-such-group-here\"\n", 2, "daemon.admin_group", "no group named"),
+            ("[daemon]\nlog_level = \"info\"\nlog_level = \"debug\"\n", 3, "daemon.log_level", "duplicate key"),
+            ("[daemon\n", 1, "", "invalid table header"),
+        ];
+        for (source, line, key, message) in cases {
+            let e = parse(source).expect_err(source);
+            assert_eq!(e.file, Path::new("/etc/rdmad/rdmad.toml"), "{source}");
+            assert_eq!((e.line, e.key.as_str()), (*line, *key), "{source}: {e}");
+            assert!(e.message.contains(message), "{source}: {e}");
+            let shown = e.to_string();
+            assert!(shown.starts_with(&format!("/etc/rdmad/rdmad.toml:{line}")), "{shown}");
+        }
+    }
+
+    #[test]
+    fn unreadable_file_is_named() {
+        let e = Config::load(Path::new("/nonexistent/rdmad.toml")).unwrap_err();
+        assert_eq!(e.line, 0);
+        assert!(e.to_string().starts_with("/nonexistent/rdmad.toml: cannot read"), "{e}");
+    }
+}

@@ -1,0 +1,230 @@
+//! The registry of everything rdmad owns: devices with their protection domains now,
+//! sessions, regions and queue pairs as they arrive. No zbus types here; the D-Bus layer
+//! calls in, the providers are called out to.
+
+mod devices;
+
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::{Arc, RwLock};
+use std::time::SystemTime;
+
+pub use devices::{open_devices, DeviceEntry, DeviceSelection};
+
+use crate::config::{Config, ConfigError, ProviderChoice};
+use crate::provider::{ObjectCounts, ProviderError};
+
+#[derive(Debug, thiserror::Error)]
+pub enum EngineError {
+    #[error("no device named {name:?} (devices: {available})")]
+    NoSuchDevice { name: String, available: String },
+    #[error(transparent)]
+    Provider(#[from] ProviderError),
+    #[error(transparent)]
+    Config(#[from] ConfigError),
+    #[error("{0}")]
+    Startup(String),
+}
+
+/// The daemon's state.
+#[derive(Debug)]
+pub struct Engine {
+    devices: Vec<DeviceEntry>,
+    config: RwLock<Arc<Config>>,
+    config_path: PathBuf,
+    started: SystemTime,
+    reloads: AtomicU32,
+}
+
+impl Engine {
+    /// Opens the devices `config` (and the `--provider` override) select.
+    pub fn start(
+        config: Config,
+        config_path: PathBuf,
+        provider: Option<ProviderChoice>,
+    ) -> Result<Engine, EngineError> {
+        let selection = DeviceSelection::from_config(&config, &config_path, provider);
+        let devices = open_devices(&selection)?;
+        Ok(Engine {
+            devices,
+            config: RwLock::new(Arc::new(config)),
+            config_path,
+            started: SystemTime::now(),
+            reloads: AtomicU32::new(0),
+        })
+    }
+
+    pub fn devices(&self) -> &[DeviceEntry] {
+        &self.devices
+    }
+
+    pub fn device(&self, name: &str) -> Result<&DeviceEntry, EngineError> {
+        self.devices
+            .iter()
+            .find(|d| d.device.name() == name)
+            .ok_or_else(|| EngineError::NoSuchDevice {
+                name: name.to_owned(),
+                available: self.device_names(),
+            })
+    }
+
+    fn device_names(&self) -> String {
+        let names: Vec<&str> = self.devices.iter().map(|d| d.device.name()).collect();
+        if names.is_empty() {
+            "none".to_owned()
+        } else {
+            names.join(", ")
+        }
+    }
+
+    /// The configuration in force.
+    pub fn config(&self) -> Arc<Config> {
+        Arc::clone(&self.config.read().unwrap_or_else(|e| e.into_inner()))
+    }
+
+    pub fn config_path(&self) -> &std::path::Path {
+        &self.config_path
+    }
+
+    pub fn started(&self) -> SystemTime {
+        self.started
+    }
+
+    pub fn reload_count(&self) -> u32 {
+        self.reloads.load(Ordering::Relaxed)
+    }
+
+    /// Re-reads the configuration file. On error the configuration in force stays.
+    /// Settings that only take effect at start (provider, devices) are reported in the
+    /// returned list so the caller can log that they need a restart.
+    pub fn reload(&self) -> Result<(Arc<Config>, Vec<String>), ConfigError> {
+        let new = Arc::new(Config::load(&self.config_path)?);
+        let mut slot = self.config.write().unwrap_or_else(|e| e.into_inner());
+        let mut needs_restart = Vec::new();
+        if new.daemon.provider != slot.daemon.provider
+            || new.daemon.loopback_fallback != slot.daemon.loopback_fallback
+        {
+            needs_restart.push("daemon.provider/loopback_fallback".to_owned());
+        }
+        if new.devices != slot.devices {
+            needs_restart.push("[[device]]".to_owned());
+        }
+        *slot = Arc::clone(&new);
+        self.reloads.fetch_add(1, Ordering::Relaxed);
+        Ok((new, needs_restart))
+    }
+
+    /// Provider objects alive on all devices (the daemon's own PDs included).
+    pub fn provider_counts(&self) -> ObjectCounts {
+        let mut total = ObjectCounts::default();
+        for entry in &self.devices {
+            let c = entry.device.object_counts();
+            total.pds += c.pds;
+            total.mrs += c.mrs;
+            total.mws += c.mws;
+            total.cqs += c.cqs;
+            total.qps += c.qps;
+        }
+        total
+    }
+
+    /// One line for systemd's `STATUS=` and `rdmactl status`.
+    pub fn status_line(&self) -> String {
+        let devices: Vec<String> = self
+            .devices
+            .iter()
+            .map(|d| format!("{} ({})", d.device.name(), d.device.provider()))
+            .collect();
+        format!(
+            "Serving {} device{}: {}",
+            devices.len(),
+            if devices.len() == 1 { "" } else { "s" },
+            devices.join(", ")
+        )
+    }
+
+    /// Releases everything, children before parents. Provider objects log their own
+    /// failures on drop and never stop the teardown, so nothing is left behind.
+    pub fn shutdown(self) {
+        for entry in self.devices {
+            tracing::debug!(device = entry.device.name(), "closing device");
+            drop(entry);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::io::Write;
+
+    fn config_file(text: &str) -> tempfile::NamedTempFile {
+        let mut f = tempfile::NamedTempFile::new().unwrap();
+        f.write_all(text.as_bytes()).unwrap();
+        f
+    }
+
+    #[test]
+    fn loopback_engine_serves_one_device_with_a_pd() {
+        let file = config_file("");
+        let engine = Engine::start(
+            Config::default(),
+            file.path().to_owned(),
+            Some(ProviderChoice::Loopback),
+        )
+        .unwrap();
+        assert_eq!(engine.devices().len(), 1);
+        let entry = engine.device("loopback0").unwrap();
+        assert_eq!(entry.port, 1);
+        assert_eq!(engine.provider_counts().pds, 1);
+        assert_eq!(engine.status_line(), "Serving 1 device: loopback0 (loopback)");
+        match engine.device("mlx5_0") {
+            Err(e @ EngineError::NoSuchDevice { .. }) => {
+                assert_eq!(e.to_string(), "no device named \"mlx5_0\" (devices: loopback0)")
+            }
+            other => panic!("{other:?}"),
+        }
+    }
+
+    #[test]
+    fn reload_swaps_valid_config_and_keeps_old_on_error() {
+        let mut file = config_file("[daemon]\nlog_level = \"info\"\n");
+        let engine = Engine::start(
+            Config::load(file.path()).unwrap(),
+            file.path().to_owned(),
+            Some(ProviderChoice::Loopback),
+        )
+        .unwrap();
+
+        file.as_file_mut().set_len(0).unwrap();
+        std::fs::write(file.path(), "[daemon]\nlog_level = \"debug\"\n").unwrap();
+        let (new, restart) = engine.reload().unwrap();
+        assert_eq!(new.daemon.log_level, crate::config::LogLevel::Debug);
+        assert!(restart.is_empty());
+        assert_eq!(engine.reload_count(), 1);
+
+        std::fs::write(file.path(), "[daemon]\nlog_level = \"loud\"\n").unwrap();
+        let err = engine.reload().unwrap_err();
+        assert_eq!((err.line, err.key.as_str()), (2, "daemon.log_level"));
+        assert_eq!(engine.config().daemon.log_level, crate::config::LogLevel::Debug);
+        assert_eq!(engine.reload_count(), 1);
+
+        std::fs::write(file.path(), "[[device]]\nname = \"loopback0\"\n").unwrap();
+        let (_, restart) = engine.reload().unwrap();
+        assert_eq!(restart, vec!["[[device]]".to_owned()]);
+    }
+
+    #[test]
+    fn shutdown_releases_every_provider_object() {
+        let engine = Engine::start(
+            Config::default(),
+            PathBuf::from("/dev/null"),
+            Some(ProviderChoice::Loopback),
+        )
+        .unwrap();
+        let device = Arc::clone(&engine.devices()[0].device);
+        assert_eq!(device.object_counts().pds, 1);
+        engine.shutdown();
+        assert_eq!(device.object_counts(), ObjectCounts::default());
+    }
+}
