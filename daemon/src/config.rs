@@ -353,7 +353,7 @@ mod tests {
             ("[[device]]\nport = 1\n", 1, "device[0]", "missing field `name`"),
             ("[daemon]\nadmin_group = \"no-such-group-here\"\n", 2, "daemon.admin_group", "no group named"),
             ("[daemon]\nlog_level = \"info\"\nlog_level = \"debug\"\n", 3, "daemon.log_level", "duplicate key"),
-            ("[daemon\n", 1, "", "invalid table header"),
+            ("[daemon\n", 1, "daemon", "invalid table header"),
         ];
         for (source, line, key, message) in cases {
             let e = parse(source).expect_err(source);
