@@ -46,6 +46,9 @@ pub trait Device {
     fn node_guid(&self) -> zbus::Result<String>;
     #[zbus(property)]
     fn firmware_version(&self) -> zbus::Result<String>;
+    /// The port queue pairs are created on.
+    #[zbus(property)]
+    fn port(&self) -> zbus::Result<u8>;
     #[zbus(property)]
     fn ports(&self) -> zbus::Result<Vec<PortInfo>>;
     #[zbus(property)]

@@ -9,3 +9,8 @@ pub mod memory;
 pub mod provider;
 pub mod config;
 pub mod engine;
+pub mod policy;
+pub mod cli;
+pub mod dbus;
+pub mod logging;
+pub mod service;

@@ -1,0 +1,126 @@
+//! `/org/rdmad1/device/<escaped name>`, interface `org.rdmad1.Device`. Port state and the
+//! GID table are read from the device on every request, so they are always current.
+
+use std::sync::Arc;
+
+use rdmad_client::device_path;
+use rdmad_client::types::{Capabilities, GidEntry, PortInfo};
+use zbus::interface;
+
+use super::error::provider_error;
+use crate::engine::{DeviceEntry, Engine};
+use crate::provider::ProviderError;
+
+pub struct DeviceObject {
+    engine: Arc<Engine>,
+    index: usize,
+}
+
+impl DeviceObject {
+    pub fn new(engine: Arc<Engine>, index: usize) -> DeviceObject {
+        DeviceObject { engine, index }
+    }
+
+    pub fn path(&self) -> String {
+        device_path(self.entry().device.name())
+    }
+
+    fn entry(&self) -> &DeviceEntry {
+        &self.engine.devices()[self.index]
+    }
+}
+
+/// Property getters answer `org.freedesktop.DBus.Error.Failed` with the device's message.
+fn failed(e: ProviderError) -> zbus::fdo::Error {
+    zbus::fdo::Error::Failed(provider_error(e).to_string())
+}
+
+#[interface(name = "org.rdmad1.Device")]
+impl DeviceObject {
+    #[zbus(property(emits_changed_signal = "const"))]
+    async fn name(&self) -> String {
+        self.entry().device.name().to_owned()
+    }
+
+    /// `verbs` or `loopback`.
+    #[zbus(property(emits_changed_signal = "const"))]
+    async fn provider(&self) -> String {
+        self.entry().device.provider().to_string()
+    }
+
+    #[zbus(property(emits_changed_signal = "const"))]
+    async fn node_guid(&self) -> zbus::fdo::Result<String> {
+        let attrs = self.entry().device.attributes().map_err(failed)?;
+        Ok(attrs.node_guid_string())
+    }
+
+    #[zbus(property(emits_changed_signal = "const"))]
+    async fn firmware_version(&self) -> zbus::fdo::Result<String> {
+        let attrs = self.entry().device.attributes().map_err(failed)?;
+        Ok(attrs.firmware_version)
+    }
+
+    /// The port queue pairs are created on.
+    #[zbus(property(emits_changed_signal = "const"))]
+    async fn port(&self) -> u8 {
+        self.entry().port
+    }
+
+    #[zbus(property(emits_changed_signal = "false"))]
+    async fn ports(&self) -> zbus::fdo::Result<Vec<PortInfo>> {
+        let device = &self.entry().device;
+        let count = device.attributes().map_err(failed)?.port_count;
+        (1..=count)
+            .map(|port| {
+                let p = device.query_port(port).map_err(failed)?;
+                Ok(PortInfo {
+                    port: p.port,
+                    state: p.state.as_str().to_owned(),
+                    physical_state: p.physical_state.to_owned(),
+                    active_mtu: p.active_mtu,
+                    max_mtu: p.max_mtu,
+                    lid: p.lid,
+                    link_layer: p.link_layer.as_str().to_owned(),
+                })
+            })
+            .collect()
+    }
+
+    /// Populated GID table entries of every port.
+    #[zbus(property(emits_changed_signal = "false"))]
+    async fn gids(&self) -> zbus::fdo::Result<Vec<GidEntry>> {
+        let device = &self.entry().device;
+        let count = device.attributes().map_err(failed)?.port_count;
+        let mut out = Vec::new();
+        for port in 1..=count {
+            for g in device.gid_table(port).map_err(failed)? {
+                out.push(GidEntry {
+                    port,
+                    index: g.index,
+                    gid: g.gid.to_string(),
+                    gid_type: g.gid_type.as_str().to_owned(),
+                });
+            }
+        }
+        Ok(out)
+    }
+
+    #[zbus(property(emits_changed_signal = "const"))]
+    async fn capabilities(&self) -> zbus::fdo::Result<Capabilities> {
+        let a = self.entry().device.attributes().map_err(failed)?;
+        Ok(Capabilities {
+            max_qp: a.max_qp,
+            max_qp_wr: a.max_qp_wr,
+            max_sge: a.max_sge,
+            max_cq: a.max_cq,
+            max_cqe: a.max_cqe,
+            max_mr: a.max_mr,
+            max_pd: a.max_pd,
+            max_mr_size: a.max_mr_size,
+            max_mw: a.max_mw,
+            max_qp_rd_atom: a.max_qp_rd_atom,
+            atomics: a.atomics.as_str().to_owned(),
+            memory_windows: a.memory_window_types(),
+        })
+    }
+}

@@ -1,0 +1,34 @@
+//! Engine and policy errors as D-Bus errors: the one place the mapping is made.
+
+use rdmad_client::Error;
+
+use crate::engine::EngineError;
+use crate::policy::PolicyError;
+use crate::provider::ProviderError;
+
+pub fn to_dbus_error(e: EngineError) -> Error {
+    let message = e.to_string();
+    match e {
+        EngineError::NoSuchDevice { .. } => Error::NoSuchObject(message),
+        EngineError::Config(_) => Error::InvalidArgument(message),
+        EngineError::Provider(p) => provider_error(p),
+        EngineError::Startup(_) => Error::DeviceError(message),
+    }
+}
+
+pub fn provider_error(e: ProviderError) -> Error {
+    let message = e.to_string();
+    match e {
+        ProviderError::NotSupported { .. } => Error::NotSupported(message),
+        ProviderError::InvalidArgument { .. } => Error::InvalidArgument(message),
+        ProviderError::NoDevices(_) | ProviderError::Os { .. } => Error::DeviceError(message),
+    }
+}
+
+impl From<PolicyError> for Error {
+    fn from(e: PolicyError) -> Self {
+        match e {
+            PolicyError::NotAdmin { .. } => Error::NotAuthorized(e.to_string()),
+        }
+    }
+}

@@ -1,0 +1,102 @@
+//! The D-Bus face of rdmad: one file per object type. The only place that knows zbus.
+//! Arguments are parsed and validated here, the caller's identity comes from the bus, and
+//! engine errors become `org.rdmad1.Error.*` replies in one place (`error.rs`).
+
+mod caller;
+mod device;
+mod error;
+mod manager;
+
+use std::sync::Arc;
+
+use rdmad_client::names::{BUS_NAME, MANAGER_PATH};
+use zbus::fdo::{ObjectManager, RequestNameFlags, RequestNameReply};
+use zbus::Connection;
+
+pub use caller::caller;
+pub use device::DeviceObject;
+pub use error::to_dbus_error;
+pub use manager::{Manager, Reloader};
+
+use crate::engine::Engine;
+
+/// Which bus to serve on.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Bus {
+    System,
+    Session,
+    Address(String),
+}
+
+impl Bus {
+    pub fn parse(s: &str) -> Bus {
+        match s {
+            "system" => Bus::System,
+            "session" => Bus::Session,
+            address => Bus::Address(address.to_owned()),
+        }
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum ServeError {
+    #[error("cannot connect to the {bus} bus: {source}")]
+    Connect { bus: String, source: zbus::Error },
+    #[error("another process owns {BUS_NAME} on this bus (is rdmad already running?)")]
+    NameTaken,
+    #[error(
+        "the bus refused to let this user own {BUS_NAME}: {0} (the bus policy, \
+         /usr/share/dbus-1/system.d/org.rdmad1.conf, lets only root own it)"
+    )]
+    NameDenied(String),
+    #[error("cannot serve the D-Bus objects: {0}")]
+    Serve(#[from] zbus::Error),
+}
+
+/// Connects to `bus`, serves every object, and only then requests the bus name, so a
+/// client that sees the name finds the objects.
+pub async fn serve(
+    bus: &Bus,
+    engine: Arc<Engine>,
+    reloader: Reloader,
+) -> Result<Connection, ServeError> {
+    let builder = match bus {
+        Bus::System => zbus::connection::Builder::system(),
+        Bus::Session => zbus::connection::Builder::session(),
+        Bus::Address(addr) => zbus::connection::Builder::address(addr.as_str()),
+    };
+    let connect_error = |source| ServeError::Connect {
+        bus: match bus {
+            Bus::System => "system".to_owned(),
+            Bus::Session => "session".to_owned(),
+            Bus::Address(a) => a.clone(),
+        },
+        source,
+    };
+    let mut builder = builder
+        .map_err(connect_error)?
+        .serve_at(MANAGER_PATH, ObjectManager)?
+        .serve_at(MANAGER_PATH, Manager::new(Arc::clone(&engine), reloader))?;
+    for index in 0..engine.devices().len() {
+        let object = DeviceObject::new(Arc::clone(&engine), index);
+        builder = builder.serve_at(object.path(), object)?;
+    }
+    let connection = builder.build().await.map_err(connect_error)?;
+
+    match connection
+        .request_name_with_flags(BUS_NAME, RequestNameFlags::DoNotQueue.into())
+        .await
+    {
+        Ok(RequestNameReply::PrimaryOwner | RequestNameReply::AlreadyOwner) => Ok(connection),
+        Ok(RequestNameReply::Exists | RequestNameReply::InQueue) => Err(ServeError::NameTaken),
+        Err(zbus::Error::MethodError(name, msg, _))
+            if name.as_str() == "org.freedesktop.DBus.Error.AccessDenied" =>
+        {
+            Err(ServeError::NameDenied(msg.unwrap_or_default()))
+        }
+        Err(zbus::Error::FDO(e)) if matches!(*e, zbus::fdo::Error::AccessDenied(_)) => {
+            Err(ServeError::NameDenied(e.to_string()))
+        }
+        Err(e) => Err(e.into()),
+    }
+}

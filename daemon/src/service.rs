@@ -1,0 +1,125 @@
+//! The daemon's life: load the configuration, open devices, serve the bus, tell systemd,
+//! handle signals (SIGHUP reloads, SIGTERM/SIGINT stop), release everything on the way out.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::Context;
+use sd_notify::NotifyState;
+use tokio::signal::unix::{signal, SignalKind};
+
+use crate::cli::Args;
+use crate::config::{Config, ConfigError, DEFAULT_PATH};
+use crate::dbus::{self, Bus, Reloader};
+use crate::engine::Engine;
+use crate::logging::{self, LogHandle};
+
+/// Runs the daemon until SIGTERM or SIGINT.
+pub fn run(args: Args) -> anyhow::Result<()> {
+    let config = load_config(&args)?;
+    if args.check_config {
+        println!("{}: configuration is valid", args.config.display());
+        return Ok(());
+    }
+    let log = logging::init(
+        args.log_target,
+        args.log_level.unwrap_or(config.daemon.log_level),
+    );
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .thread_name("rdmad")
+        .enable_all()
+        .build()
+        .context("cannot start the async runtime")?;
+    runtime.block_on(serve(args, config, log))
+}
+
+/// The configuration file, or the defaults when the default path does not exist (a file
+/// named with `--config` must exist).
+fn load_config(args: &Args) -> Result<Config, ConfigError> {
+    if args.config.as_os_str() == DEFAULT_PATH && !args.config.exists() {
+        eprintln!("rdmad: {DEFAULT_PATH} does not exist; using the built-in defaults");
+        return Ok(Config::default());
+    }
+    Config::load(&args.config)
+}
+
+fn notify(states: &[NotifyState<'_>]) {
+    if let Err(e) = sd_notify::notify(false, states) {
+        tracing::warn!("cannot notify systemd: {e}");
+    }
+}
+
+async fn serve(args: Args, config: Config, log: LogHandle) -> anyhow::Result<()> {
+    let engine = Arc::new(Engine::start(config, args.config.clone(), args.provider)?);
+    let reloader = make_reloader(Arc::clone(&engine), log, args.log_level.is_some());
+
+    let mut sigterm = signal(SignalKind::terminate()).context("cannot handle SIGTERM")?;
+    let mut sigint = signal(SignalKind::interrupt()).context("cannot handle SIGINT")?;
+    let mut sighup = signal(SignalKind::hangup()).context("cannot handle SIGHUP")?;
+
+    let connection = dbus::serve(&Bus::parse(&args.bus), Arc::clone(&engine), Arc::clone(&reloader)).await?;
+    let status = engine.status_line();
+    tracing::info!(bus = %args.bus, "ready: {status}");
+    notify(&[NotifyState::Ready, NotifyState::Status(&status)]);
+
+    let mut watchdog_usec = 0;
+    let watchdog = sd_notify::watchdog_enabled(false, &mut watchdog_usec)
+        .then(|| Duration::from_micros(watchdog_usec / 2));
+    let mut watchdog_tick = tokio::time::interval(watchdog.unwrap_or(Duration::from_secs(3600)));
+
+    loop {
+        tokio::select! {
+            _ = sigterm.recv() => break,
+            _ = sigint.recv() => break,
+            _ = sighup.recv() => {
+                tracing::info!("SIGHUP: reloading the configuration");
+                // The reloader logs and reports its own outcome.
+                let _ = reloader();
+            }
+            _ = watchdog_tick.tick(), if watchdog.is_some() => notify(&[NotifyState::Watchdog]),
+        }
+    }
+
+    tracing::info!("stopping");
+    notify(&[NotifyState::Stopping, NotifyState::Status("Stopping")]);
+    if let Err(e) = connection.release_name(rdmad_client::BUS_NAME).await {
+        tracing::warn!("cannot release the bus name: {e}");
+    }
+    drop(connection);
+    match Arc::try_unwrap(engine) {
+        Ok(engine) => engine.shutdown(),
+        Err(_) => tracing::warn!("D-Bus objects still hold the engine; releasing on exit"),
+    }
+    tracing::info!("stopped");
+    Ok(())
+}
+
+/// The one reload procedure behind SIGHUP and `Manager.Reload`: tells systemd, swaps the
+/// configuration if it is valid, applies what can change at run time.
+fn make_reloader(engine: Arc<Engine>, log: LogHandle, log_level_pinned: bool) -> Reloader {
+    Arc::new(move || {
+        // MONOTONIC_USEC lets systemd (Type=notify-reload) match this reload to its request.
+        let mut states = vec![NotifyState::Reloading];
+        states.extend(NotifyState::monotonic_usec_now().ok());
+        notify(&states);
+        let outcome = match engine.reload() {
+            Ok((config, needs_restart)) => {
+                if !log_level_pinned {
+                    log.set_level(config.daemon.log_level);
+                }
+                for setting in needs_restart {
+                    tracing::warn!("{setting} changed; it takes effect when rdmad restarts");
+                }
+                tracing::info!(file = %engine.config_path().display(), "configuration reloaded");
+                Ok(())
+            }
+            Err(e) => {
+                tracing::error!("configuration not reloaded, the previous one stays in force: {e}");
+                Err(e.to_string())
+            }
+        };
+        notify(&[NotifyState::Ready, NotifyState::Status(&engine.status_line())]);
+        outcome
+    })
+}
