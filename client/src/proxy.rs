@@ -1,8 +1,10 @@
-//! Typed proxies for the rdmad interfaces.
+//! Typed proxies for the rdmad interfaces. Methods fail with [`Error`], so a refusal
+//! arrives as its `org.rdmad1.Error.*` variant; properties fail with `zbus::Error`.
 
 use zbus::proxy;
 use zbus::zvariant::OwnedObjectPath;
 
+use crate::error::Error;
 use crate::types::{Capabilities, DeviceSummary, GidEntry, PortInfo};
 
 #[proxy(
@@ -12,12 +14,12 @@ use crate::types::{Capabilities, DeviceSummary, GidEntry, PortInfo};
 )]
 pub trait Manager {
     /// Devices the daemon serves.
-    fn list_devices(&self) -> zbus::Result<Vec<DeviceSummary>>;
+    fn list_devices(&self) -> Result<Vec<DeviceSummary>, Error>;
     /// Object path of the named device.
-    fn get_device(&self, name: &str) -> zbus::Result<OwnedObjectPath>;
+    fn get_device(&self, name: &str) -> Result<OwnedObjectPath, Error>;
     /// Re-reads the configuration file (admin only). An invalid file is refused with
     /// `InvalidArgument` and the running configuration stays in force.
-    fn reload(&self) -> zbus::Result<()>;
+    fn reload(&self) -> Result<(), Error>;
 
     /// The daemon's version.
     #[zbus(property)]

@@ -143,6 +143,16 @@ impl Config {
         Config::parse(path, &source)
     }
 
+    /// Like [`Config::load`], except that a missing file at the packaged path means the
+    /// built-in defaults (the shipped file configures exactly those).
+    pub fn load_or_default(path: &Path) -> Result<Config, ConfigError> {
+        if path == Path::new(DEFAULT_PATH) && !path.exists() {
+            tracing::info!("{DEFAULT_PATH} does not exist; using the built-in defaults");
+            return Ok(Config::default());
+        }
+        Config::load(path)
+    }
+
     /// Parses and validates `source`, naming `path` in errors.
     pub fn parse(path: &Path, source: &str) -> Result<Config, ConfigError> {
         let keys = KeyIndex::new(source);

@@ -7,8 +7,8 @@ fn main() -> std::process::ExitCode {
     match rdmad::service::run(args) {
         Ok(()) => std::process::ExitCode::SUCCESS,
         Err(e) => {
-            // Logging may not be up yet (bad config), so say it on stderr as well.
-            tracing::error!("{e:#}");
+            // On stderr, which systemd also puts in the journal: logging may not be up yet
+            // (a bad configuration is found before it starts).
             eprintln!("rdmad: {e:#}");
             std::process::ExitCode::FAILURE
         }

@@ -9,14 +9,14 @@ use sd_notify::NotifyState;
 use tokio::signal::unix::{signal, SignalKind};
 
 use crate::cli::Args;
-use crate::config::{Config, ConfigError, DEFAULT_PATH};
+use crate::config::Config;
 use crate::dbus::{self, Bus, Reloader};
 use crate::engine::Engine;
 use crate::logging::{self, LogHandle};
 
 /// Runs the daemon until SIGTERM or SIGINT.
 pub fn run(args: Args) -> anyhow::Result<()> {
-    let config = load_config(&args)?;
+    let config = Config::load_or_default(&args.config)?;
     if args.check_config {
         println!("{}: configuration is valid", args.config.display());
         return Ok(());
@@ -32,16 +32,6 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         .build()
         .context("cannot start the async runtime")?;
     runtime.block_on(serve(args, config, log))
-}
-
-/// The configuration file, or the defaults when the default path does not exist (a file
-/// named with `--config` must exist).
-fn load_config(args: &Args) -> Result<Config, ConfigError> {
-    if args.config.as_os_str() == DEFAULT_PATH && !args.config.exists() {
-        eprintln!("rdmad: {DEFAULT_PATH} does not exist; using the built-in defaults");
-        return Ok(Config::default());
-    }
-    Config::load(&args.config)
 }
 
 fn notify(states: &[NotifyState<'_>]) {
@@ -83,13 +73,11 @@ async fn serve(args: Args, config: Config, log: LogHandle) -> anyhow::Result<()>
 
     tracing::info!("stopping");
     notify(&[NotifyState::Stopping, NotifyState::Status("Stopping")]);
-    if let Err(e) = connection.release_name(rdmad_client::BUS_NAME).await {
-        tracing::warn!("cannot release the bus name: {e}");
-    }
-    drop(connection);
+    dbus::unserve(connection, &engine).await;
+    drop(reloader);
     match Arc::try_unwrap(engine) {
         Ok(engine) => engine.shutdown(),
-        Err(_) => tracing::warn!("D-Bus objects still hold the engine; releasing on exit"),
+        Err(_) => tracing::error!("D-Bus objects still hold the engine; it is released on exit"),
     }
     tracing::info!("stopped");
     Ok(())

@@ -66,19 +66,19 @@ impl Manager {
         (self.reloader)().map_err(Error::InvalidArgument)
     }
 
-    #[zbus(property)]
+    #[zbus(property(emits_changed_signal = "const"))]
     async fn version(&self) -> String {
         env!("CARGO_PKG_VERSION").to_owned()
     }
 
     /// The configuration file in force.
-    #[zbus(property)]
+    #[zbus(property(emits_changed_signal = "const"))]
     async fn config_file(&self) -> String {
         self.engine.config_path().display().to_string()
     }
 
     /// When the daemon started, in microseconds since the Unix epoch.
-    #[zbus(property)]
+    #[zbus(property(emits_changed_signal = "const"))]
     async fn start_timestamp(&self) -> u64 {
         self.engine
             .started()
@@ -86,13 +86,13 @@ impl Manager {
             .map_or(0, |d| u64::try_from(d.as_micros()).unwrap_or(u64::MAX))
     }
 
-    #[zbus(property, name = "NDevices")]
+    #[zbus(property(emits_changed_signal = "const"), name = "NDevices")]
     async fn n_devices(&self) -> u32 {
         u32::try_from(self.engine.devices().len()).unwrap_or(u32::MAX)
     }
 
     /// Successful configuration reloads since start.
-    #[zbus(property, name = "NReloads")]
+    #[zbus(property(emits_changed_signal = "false"), name = "NReloads")]
     async fn n_reloads(&self) -> u32 {
         self.engine.reload_count()
     }

@@ -88,7 +88,9 @@ pub async fn serve(
         .await
     {
         Ok(RequestNameReply::PrimaryOwner | RequestNameReply::AlreadyOwner) => Ok(connection),
-        Ok(RequestNameReply::Exists | RequestNameReply::InQueue) => Err(ServeError::NameTaken),
+        Ok(RequestNameReply::Exists | RequestNameReply::InQueue) | Err(zbus::Error::NameTaken) => {
+            Err(ServeError::NameTaken)
+        }
         Err(zbus::Error::MethodError(name, msg, _))
             if name.as_str() == "org.freedesktop.DBus.Error.AccessDenied" =>
         {
@@ -99,4 +101,25 @@ pub async fn serve(
         }
         Err(e) => Err(e.into()),
     }
+}
+
+/// Gives up the bus name, then withdraws every object so the object server lets go of the
+/// engine before it is shut down.
+pub async fn unserve(connection: Connection, engine: &Engine) {
+    if let Err(e) = connection.release_name(BUS_NAME).await {
+        tracing::warn!("cannot release the bus name: {e}");
+    }
+    let server = connection.object_server();
+    let mut results = Vec::new();
+    for entry in engine.devices() {
+        let path = rdmad_client::device_path(entry.device.name());
+        results.push(server.remove::<DeviceObject, _>(path).await);
+    }
+    results.push(server.remove::<Manager, _>(MANAGER_PATH).await);
+    for result in results {
+        if let Err(e) = result {
+            tracing::warn!("cannot withdraw a D-Bus object: {e}");
+        }
+    }
+    connection.graceful_shutdown().await;
 }

@@ -98,7 +98,7 @@ impl Engine {
     /// Settings that only take effect at start (provider, devices) are reported in the
     /// returned list so the caller can log that they need a restart.
     pub fn reload(&self) -> Result<(Arc<Config>, Vec<String>), ConfigError> {
-        let new = Arc::new(Config::load(&self.config_path)?);
+        let new = Arc::new(Config::load_or_default(&self.config_path)?);
         let mut slot = self.config.write().unwrap_or_else(|e| e.into_inner());
         let mut needs_restart = Vec::new();
         if new.daemon.provider != slot.daemon.provider
