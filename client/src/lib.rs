@@ -15,9 +15,8 @@ pub use types::{Capabilities, GidEntry, PortInfo};
 pub async fn connect(address: Option<&str>) -> zbus::Result<zbus::Connection> {
     let from_env = std::env::var(names::BUS_ADDRESS_ENV).ok();
     match address.or(from_env.as_deref()) {
-        Some(addr) if addr == "session" => zbus::Connection::session().await,
-        Some(addr) if addr == "system" => zbus::Connection::system().await,
+        Some("session") => zbus::Connection::session().await,
+        Some("system") | None => zbus::Connection::system().await,
         Some(addr) => zbus::connection::Builder::address(addr)?.build().await,
-        None => zbus::Connection::system().await,
     }
 }

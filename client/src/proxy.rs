@@ -34,7 +34,7 @@ pub trait Manager {
     #[zbus(property, name = "NDevices")]
     fn n_devices(&self) -> zbus::Result<u32>;
     /// How often the configuration was reloaded successfully.
-    #[zbus(property, name = "NReloads")]
+    #[zbus(property(emits_changed_signal = "false"), name = "NReloads")]
     fn n_reloads(&self) -> zbus::Result<u32>;
 }
 
@@ -51,9 +51,9 @@ pub trait Device {
     /// The port queue pairs are created on.
     #[zbus(property)]
     fn port(&self) -> zbus::Result<u8>;
-    #[zbus(property)]
+    #[zbus(property(emits_changed_signal = "false"))]
     fn ports(&self) -> zbus::Result<Vec<PortInfo>>;
-    #[zbus(property)]
+    #[zbus(property(emits_changed_signal = "false"))]
     fn gids(&self) -> zbus::Result<Vec<GidEntry>>;
     #[zbus(property)]
     fn capabilities(&self) -> zbus::Result<Capabilities>;

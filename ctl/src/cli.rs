@@ -3,7 +3,11 @@
 use clap::{Parser, Subcommand};
 
 #[derive(Debug, Parser)]
-#[command(name = "rdmactl", version, about = "Show and control rdmad, the RDMA resource daemon")]
+#[command(
+    name = "rdmactl",
+    version,
+    about = "Show and control rdmad, the RDMA resource daemon"
+)]
 pub struct Cli {
     /// Print JSON (the same keys as the text output).
     #[arg(short, long, global = true)]
@@ -14,7 +18,12 @@ pub struct Cli {
     pub pretty: bool,
 
     /// D-Bus address of the bus rdmad serves on (`system`, `session` or an address).
-    #[arg(long, global = true, env = "RDMAD_BUS_ADDRESS", default_value = "system")]
+    #[arg(
+        long,
+        global = true,
+        env = "RDMAD_BUS_ADDRESS",
+        default_value = "system"
+    )]
     pub bus: String,
 
     #[command(subcommand)]

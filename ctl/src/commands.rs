@@ -64,7 +64,12 @@ async fn status(connection: &Connection) -> Result<Value, Error> {
         .duration_since(started)
         .unwrap_or_default()
         .as_secs();
-    let devices: Vec<String> = m.list_devices().await?.into_iter().map(|d| d.name).collect();
+    let devices: Vec<String> = m
+        .list_devices()
+        .await?
+        .into_iter()
+        .map(|d| d.name)
+        .collect();
     Ok(json!({
         "version": m.version().await?,
         "started_usec": started_us,
@@ -79,7 +84,12 @@ async fn devices(connection: &Connection, name: Option<&str>) -> Result<Value, E
     let m = manager(connection).await?;
     let paths = match name {
         Some(name) => vec![m.get_device(name).await?],
-        None => m.list_devices().await?.into_iter().map(|d| d.path).collect(),
+        None => m
+            .list_devices()
+            .await?
+            .into_iter()
+            .map(|d| d.path)
+            .collect(),
     };
     let mut out = Vec::new();
     for path in paths {

@@ -159,15 +159,19 @@ impl Config {
         let config: Config = toml::from_str(source).map_err(|e| {
             let mut line = e
                 .span()
-                .map(|span| source[..span.start.min(source.len())].lines().count().max(1))
+                .map(|span| {
+                    source[..span.start.min(source.len())]
+                        .lines()
+                        .count()
+                        .max(1)
+                })
                 .unwrap_or(0);
             let message = e.message().trim().to_owned();
             let mut key = keys.key_at(line);
             // serde reports an unknown key at its table; point at the key itself.
             if let Some(field) = unknown_field(&message) {
-                let dotted = if key.is_empty() { field.to_owned() } else { format!("{key}.{field}") };
-                if let Some(found) = keys.exact_line(&dotted) {
-                    (key, line) = (dotted, found);
+                if let Some((found, dotted)) = keys.field_from(line, field) {
+                    (line, key) = (found, dotted);
                 }
             }
             // A duplicate is reported at its first definition; the mistake is the second.
@@ -176,7 +180,12 @@ impl Config {
                     line = last;
                 }
             }
-            ConfigError { file: path.to_owned(), line, key, message }
+            ConfigError {
+                file: path.to_owned(),
+                line,
+                key,
+                message,
+            }
         })?;
         config.validate().map_err(|(key, message)| ConfigError {
             file: path.to_owned(),
@@ -287,14 +296,21 @@ impl KeyIndex {
             .unwrap_or_default()
     }
 
-    /// The line defining exactly `key`.
-    fn exact_line(&self, key: &str) -> Option<usize> {
-        self.lines.iter().find(|(_, k)| k == key).map(|(line, _)| *line)
+    /// The first key named `field` defined at or after `line`, with its line.
+    fn field_from(&self, line: usize, field: &str) -> Option<(usize, String)> {
+        self.lines
+            .iter()
+            .find(|(l, k)| *l >= line && k.rsplit('.').next() == Some(field))
+            .cloned()
     }
 
     /// The last line defining exactly `key`.
     fn last_line(&self, key: &str) -> Option<usize> {
-        self.lines.iter().rev().find(|(_, k)| k == key).map(|(line, _)| *line)
+        self.lines
+            .iter()
+            .rev()
+            .find(|(_, k)| k == key)
+            .map(|(line, _)| *line)
     }
 
     /// The line defining `key`, else its table's header line, else 0.
@@ -325,7 +341,10 @@ mod tests {
         let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../config/rdmad.toml");
         let config = Config::load(&path).unwrap_or_else(|e| panic!("{e}"));
         assert_eq!(config, Config::default());
-        assert!(config.daemon.loopback_fallback, "the shipped default allows loopback");
+        assert!(
+            config.daemon.loopback_fallback,
+            "the shipped default allows loopback"
+        );
     }
 
     #[test]
@@ -353,16 +372,61 @@ mod tests {
     #[test]
     fn errors_name_file_line_and_key() {
         let cases: &[(&str, usize, &str, &str)] = &[
-            ("[daemon]\nprovidr = \"verbs\"\n", 2, "daemon.providr", "unknown field"),
-            ("[daemon]\n\nprovider = \"verb\"\n", 3, "daemon.provider", "unknown variant"),
-            ("[daemon]\nloopback_fallback = \"yes\"\n", 2, "daemon.loopback_fallback", "invalid type"),
+            (
+                "[daemon]\nprovidr = \"verbs\"\n",
+                2,
+                "daemon.providr",
+                "unknown field",
+            ),
+            (
+                "[daemon]\n\nprovider = \"verb\"\n",
+                3,
+                "daemon.provider",
+                "unknown variant",
+            ),
+            (
+                "[daemon]\nloopback_fallback = \"yes\"\n",
+                2,
+                "daemon.loopback_fallback",
+                "invalid type",
+            ),
             ("[deamon]\n", 1, "deamon", "unknown field"),
-            ("[[device]]\nname = \"a\"\n[[device]]\nname = \"b\"\nport = -1\n", 5, "device[1].port", "invalid value"),
-            ("[[device]]\nname = \"a\"\n[[device]]\nname = \"a\"\n", 4, "device[1].name", "configured twice"),
-            ("[[device]]\nname = \"a\"\nport = 0\n", 3, "device[0].port", "numbered from 1"),
-            ("[[device]]\nport = 1\n", 1, "device[0]", "missing field `name`"),
-            ("[daemon]\nadmin_group = \"no-such-group-here\"\n", 2, "daemon.admin_group", "no group named"),
-            ("[daemon]\nlog_level = \"info\"\nlog_level = \"debug\"\n", 3, "daemon.log_level", "duplicate key"),
+            (
+                "[[device]]\nname = \"a\"\n[[device]]\nname = \"b\"\nport = -1\n",
+                5,
+                "device[1].port",
+                "invalid value",
+            ),
+            (
+                "[[device]]\nname = \"a\"\n[[device]]\nname = \"a\"\n",
+                4,
+                "device[1].name",
+                "configured twice",
+            ),
+            (
+                "[[device]]\nname = \"a\"\nport = 0\n",
+                3,
+                "device[0].port",
+                "numbered from 1",
+            ),
+            (
+                "[[device]]\nport = 1\n",
+                1,
+                "device[0]",
+                "missing field `name`",
+            ),
+            (
+                "[daemon]\nadmin_group = \"no-such-group-here\"\n",
+                2,
+                "daemon.admin_group",
+                "no group named",
+            ),
+            (
+                "[daemon]\nlog_level = \"info\"\nlog_level = \"debug\"\n",
+                3,
+                "daemon.log_level",
+                "duplicate key",
+            ),
             ("[daemon\n", 1, "daemon", "invalid table header"),
         ];
         for (source, line, key, message) in cases {
@@ -371,7 +435,10 @@ mod tests {
             assert_eq!((e.line, e.key.as_str()), (*line, *key), "{source}: {e}");
             assert!(e.message.contains(message), "{source}: {e}");
             let shown = e.to_string();
-            assert!(shown.starts_with(&format!("/etc/rdmad/rdmad.toml:{line}")), "{shown}");
+            assert!(
+                shown.starts_with(&format!("/etc/rdmad/rdmad.toml:{line}")),
+                "{shown}"
+            );
         }
     }
 
@@ -379,6 +446,10 @@ mod tests {
     fn unreadable_file_is_named() {
         let e = Config::load(Path::new("/nonexistent/rdmad.toml")).unwrap_err();
         assert_eq!(e.line, 0);
-        assert!(e.to_string().starts_with("/nonexistent/rdmad.toml: cannot read"), "{e}");
+        assert!(
+            e.to_string()
+                .starts_with("/nonexistent/rdmad.toml: cannot read"),
+            "{e}"
+        );
     }
 }

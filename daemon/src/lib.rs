@@ -4,13 +4,13 @@
 //! Layers, top to bottom (nothing flows up): [`dbus`] → [`policy`] → [`engine`] →
 //! [`provider`].
 
-pub mod lock;
-pub mod memory;
-pub mod provider;
-pub mod config;
-pub mod engine;
-pub mod policy;
 pub mod cli;
+pub mod config;
 pub mod dbus;
+pub mod engine;
+pub mod lock;
 pub mod logging;
+pub mod memory;
+pub mod policy;
+pub mod provider;
 pub mod service;

@@ -48,14 +48,17 @@ async fn serve(args: Args, config: Config, log: LogHandle) -> anyhow::Result<()>
     let mut sigint = signal(SignalKind::interrupt()).context("cannot handle SIGINT")?;
     let mut sighup = signal(SignalKind::hangup()).context("cannot handle SIGHUP")?;
 
-    let connection = dbus::serve(&Bus::parse(&args.bus), Arc::clone(&engine), Arc::clone(&reloader)).await?;
+    let connection = dbus::serve(
+        &Bus::parse(&args.bus),
+        Arc::clone(&engine),
+        Arc::clone(&reloader),
+    )
+    .await?;
     let status = engine.status_line();
     tracing::info!(bus = %args.bus, "ready: {status}");
     notify(&[NotifyState::Ready, NotifyState::Status(&status)]);
 
-    let mut watchdog_usec = 0;
-    let watchdog = sd_notify::watchdog_enabled(false, &mut watchdog_usec)
-        .then(|| Duration::from_micros(watchdog_usec / 2));
+    let watchdog = watchdog_interval();
     let mut watchdog_tick = tokio::time::interval(watchdog.unwrap_or(Duration::from_secs(3600)));
 
     loop {
@@ -83,6 +86,18 @@ async fn serve(args: Args, config: Config, log: LogHandle) -> anyhow::Result<()>
     Ok(())
 }
 
+/// Half the watchdog period systemd asked for, as `sd_watchdog_enabled(3)` reads it:
+/// `WATCHDOG_USEC` set, and `WATCHDOG_PID` either unset or this process.
+fn watchdog_interval() -> Option<Duration> {
+    let usec: u64 = std::env::var("WATCHDOG_USEC").ok()?.parse().ok()?;
+    if let Ok(pid) = std::env::var("WATCHDOG_PID") {
+        if pid.parse::<u32>().ok()? != std::process::id() {
+            return None;
+        }
+    }
+    (usec > 0).then(|| Duration::from_micros(usec / 2))
+}
+
 /// The one reload procedure behind SIGHUP and `Manager.Reload`: tells systemd, swaps the
 /// configuration if it is valid, applies what can change at run time.
 fn make_reloader(engine: Arc<Engine>, log: LogHandle, log_level_pinned: bool) -> Reloader {
@@ -107,7 +122,10 @@ fn make_reloader(engine: Arc<Engine>, log: LogHandle, log_level_pinned: bool) ->
                 Err(e.to_string())
             }
         };
-        notify(&[NotifyState::Ready, NotifyState::Status(&engine.status_line())]);
+        notify(&[
+            NotifyState::Ready,
+            NotifyState::Status(&engine.status_line()),
+        ]);
         outcome
     })
 }

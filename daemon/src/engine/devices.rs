@@ -94,7 +94,10 @@ pub fn open_devices(selection: &DeviceSelection) -> Result<Vec<DeviceEntry>, Eng
     for device in found {
         let config = selection.config.device(device.name());
         if !wanted.is_empty() && config.is_none() {
-            tracing::info!(device = device.name(), "not listed in [[device]]; not served");
+            tracing::info!(
+                device = device.name(),
+                "not listed in [[device]]; not served"
+            );
             continue;
         }
         let port = config.map_or(1, |c| c.port);
@@ -150,7 +153,9 @@ mod tests {
     fn auto_falls_back_to_loopback_only_where_allowed() {
         let served = open_devices(&selection(ProviderChoice::Auto, true, "")).unwrap();
         if host_has_rdma() {
-            assert!(served.iter().all(|d| d.device.name() != loopback::DEFAULT_NAME));
+            assert!(served
+                .iter()
+                .all(|d| d.device.name() != loopback::DEFAULT_NAME));
         } else {
             assert_eq!(served.len(), 1);
             assert_eq!(served[0].device.name(), loopback::DEFAULT_NAME);
@@ -187,6 +192,9 @@ mod tests {
             "[[device]]\nname = \"loopback0\"\nport = 2\n",
         );
         let msg = open_devices(&sel).unwrap_err().to_string();
-        assert!(msg.contains("port 2 is configured, but the device has ports 1..=1"), "{msg}");
+        assert!(
+            msg.contains("port 2 is configured, but the device has ports 1..=1"),
+            "{msg}"
+        );
     }
 }

@@ -177,10 +177,16 @@ mod tests {
         let entry = engine.device("loopback0").unwrap();
         assert_eq!(entry.port, 1);
         assert_eq!(engine.provider_counts().pds, 1);
-        assert_eq!(engine.status_line(), "Serving 1 device: loopback0 (loopback)");
+        assert_eq!(
+            engine.status_line(),
+            "Serving 1 device: loopback0 (loopback)"
+        );
         match engine.device("mlx5_0") {
             Err(e @ EngineError::NoSuchDevice { .. }) => {
-                assert_eq!(e.to_string(), "no device named \"mlx5_0\" (devices: loopback0)")
+                assert_eq!(
+                    e.to_string(),
+                    "no device named \"mlx5_0\" (devices: loopback0)"
+                )
             }
             other => panic!("{other:?}"),
         }
@@ -206,7 +212,10 @@ mod tests {
         std::fs::write(file.path(), "[daemon]\nlog_level = \"loud\"\n").unwrap();
         let err = engine.reload().unwrap_err();
         assert_eq!((err.line, err.key.as_str()), (2, "daemon.log_level"));
-        assert_eq!(engine.config().daemon.log_level, crate::config::LogLevel::Debug);
+        assert_eq!(
+            engine.config().daemon.log_level,
+            crate::config::LogLevel::Debug
+        );
         assert_eq!(engine.reload_count(), 1);
 
         std::fs::write(file.path(), "[[device]]\nname = \"loopback0\"\n").unwrap();

@@ -95,6 +95,10 @@ mod tests {
         );
         let config = config_with_admin_group(Some("root"));
         let err = require_admin(&caller(1000, &[]), &config, "Reload").unwrap_err();
-        assert!(err.to_string().ends_with("or as a member of group \"root\""), "{err}");
+        assert!(
+            err.to_string()
+                .ends_with("or as a member of group \"root\""),
+            "{err}"
+        );
     }
 }

@@ -1,0 +1,204 @@
+//! Running the real `rdmad` and `rdmactl` against a private bus.
+
+use std::path::PathBuf;
+use std::process::{Command, ExitStatus, Output, Stdio};
+use std::sync::{Arc, Mutex};
+
+use futures_util::StreamExt;
+use rdmad_client::BUS_NAME;
+use tokio::io::{AsyncBufReadExt, BufReader};
+
+use crate::bus::PrivateBus;
+use crate::notify::NotifySocket;
+use crate::{binary, TIMEOUT};
+
+/// How to start the daemon.
+pub struct DaemonOptions {
+    /// `--provider`.
+    pub provider: &'static str,
+    /// Contents of the configuration file.
+    pub config: String,
+    /// Give the daemon a `NOTIFY_SOCKET` (and `WATCHDOG_USEC` if set).
+    pub notify: bool,
+    pub watchdog_usec: Option<u64>,
+}
+
+impl Default for DaemonOptions {
+    fn default() -> Self {
+        DaemonOptions {
+            provider: "loopback",
+            config: String::new(),
+            notify: false,
+            watchdog_usec: None,
+        }
+    }
+}
+
+pub struct Daemon {
+    pub child: tokio::process::Child,
+    pub config_path: PathBuf,
+    pub notify: Option<NotifySocket>,
+    stderr: Arc<Mutex<String>>,
+    /// Copies stderr into `stderr`; ends when the daemon closes it.
+    stderr_reader: Option<tokio::task::JoinHandle<()>>,
+    _dir: tempfile::TempDir,
+}
+
+impl Daemon {
+    /// Starts `rdmad` on `bus` without waiting for anything.
+    pub fn spawn(bus: &PrivateBus, options: DaemonOptions) -> Daemon {
+        let dir = tempfile::Builder::new()
+            .prefix("rdmad-test-")
+            .tempdir()
+            .expect("tempdir");
+        let config_path = dir.path().join("rdmad.toml");
+        std::fs::write(&config_path, &options.config).expect("write config");
+        let notify = options
+            .notify
+            .then(|| NotifySocket::bind(&dir.path().join("notify")));
+        let mut command = tokio::process::Command::new(binary("rdmad"));
+        command
+            .arg("--bus")
+            .arg(&bus.address)
+            .arg("--provider")
+            .arg(options.provider)
+            .arg("--config")
+            .arg(&config_path)
+            .args(["--log-target", "stderr"])
+            .env_remove("NOTIFY_SOCKET")
+            .env_remove("WATCHDOG_USEC")
+            .env_remove("WATCHDOG_PID")
+            .env("NO_COLOR", "1")
+            .stdin(Stdio::null())
+            .stderr(Stdio::piped())
+            .kill_on_drop(true);
+        if let Some(socket) = &notify {
+            command.env("NOTIFY_SOCKET", &socket.path);
+        }
+        if let Some(usec) = options.watchdog_usec {
+            command.env("WATCHDOG_USEC", usec.to_string());
+        }
+        let mut child = command.spawn().expect("spawn rdmad");
+        let stderr = Arc::new(Mutex::new(String::new()));
+        let mut lines = BufReader::new(child.stderr.take().expect("piped stderr")).lines();
+        let sink = Arc::clone(&stderr);
+        let stderr_reader = tokio::spawn(async move {
+            while let Ok(Some(line)) = lines.next_line().await {
+                eprintln!("rdmad: {line}");
+                let mut s = sink.lock().unwrap_or_else(|e| e.into_inner());
+                s.push_str(&line);
+                s.push('\n');
+            }
+        });
+        Daemon {
+            child,
+            config_path,
+            notify,
+            stderr,
+            stderr_reader: Some(stderr_reader),
+            _dir: dir,
+        }
+    }
+
+    /// Starts `rdmad` and returns once it owns `org.rdmad1`.
+    pub async fn start(bus: &PrivateBus, options: DaemonOptions) -> Daemon {
+        let mut daemon = Daemon::spawn(bus, options);
+        daemon.wait_for_name(bus).await;
+        daemon
+    }
+
+    /// Waits until the daemon owns the bus name; fails the test if it exits first.
+    pub async fn wait_for_name(&mut self, bus: &PrivateBus) {
+        let connection = bus.connect().await;
+        let dbus = zbus::fdo::DBusProxy::new(&connection)
+            .await
+            .expect("DBus proxy");
+        let mut changes = dbus
+            .receive_name_owner_changed_with_args(&[(0, BUS_NAME)])
+            .await
+            .expect("subscribe to NameOwnerChanged");
+        if dbus
+            .name_has_owner(BUS_NAME.try_into().expect("valid name"))
+            .await
+            .expect("NameHasOwner")
+        {
+            return;
+        }
+        tokio::select! {
+            _ = changes.next() => {}
+            status = self.child.wait() => panic!(
+                "rdmad exited ({status:?}) before owning {BUS_NAME}:\n{}", self.stderr()
+            ),
+            _ = tokio::time::sleep(TIMEOUT) => panic!(
+                "rdmad did not own {BUS_NAME} within {TIMEOUT:?}:\n{}", self.stderr()
+            ),
+        }
+    }
+
+    /// Everything the daemon wrote to stderr so far.
+    pub fn stderr(&self) -> String {
+        self.stderr
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
+    }
+
+    pub fn signal(&self, signal: nix::sys::signal::Signal) {
+        let pid = self.child.id().expect("rdmad is running");
+        nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid as i32), signal).expect("kill");
+    }
+
+    /// Waits for the daemon to exit and for all it wrote to stderr.
+    pub async fn wait(&mut self) -> ExitStatus {
+        let status = tokio::time::timeout(TIMEOUT, self.child.wait())
+            .await
+            .unwrap_or_else(|_| panic!("rdmad did not exit within {TIMEOUT:?}"))
+            .expect("wait for rdmad");
+        if let Some(reader) = self.stderr_reader.take() {
+            reader.await.expect("stderr reader");
+        }
+        status
+    }
+
+    /// Replaces the configuration file's contents.
+    pub fn write_config(&self, text: &str) {
+        std::fs::write(&self.config_path, text).expect("write config");
+    }
+}
+
+/// A command run as `uid` (same gid, no supplementary groups), or as root for `None`.
+pub fn as_user(uid: Option<u32>, program: &std::path::Path) -> Command {
+    match uid {
+        None => Command::new(program),
+        Some(uid) => {
+            let mut command = Command::new("setpriv");
+            command
+                .arg(format!("--reuid={uid}"))
+                .arg(format!("--regid={uid}"))
+                .arg("--clear-groups")
+                .arg(program);
+            command
+        }
+    }
+}
+
+/// Runs `rdmactl ARGS` against `bus` as `uid`.
+pub fn rdmactl(bus: &PrivateBus, uid: Option<u32>, args: &[&str]) -> Output {
+    as_user(uid, &binary("rdmactl"))
+        .args(args)
+        .env("RDMAD_BUS_ADDRESS", &bus.address)
+        .stdin(Stdio::null())
+        .output()
+        .expect("run rdmactl")
+}
+
+/// Runs `rdmactl ARGS`, asserts success and returns stdout.
+pub fn rdmactl_ok(bus: &PrivateBus, uid: Option<u32>, args: &[&str]) -> String {
+    let out = rdmactl(bus, uid, args);
+    assert!(
+        out.status.success(),
+        "rdmactl {args:?} as {uid:?} failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8(out.stdout).expect("utf-8 output")
+}

@@ -1,0 +1,46 @@
+//! Harness for the integration tests: a private `dbus-daemon` whose policy includes the
+//! shipped `unit/org.rdmad1.conf`, the real `rdmad` and `rdmactl` binaries, and callers
+//! running as other users. Readiness is always an event (the bus address printed, the bus
+//! name owned, a notify message), never a sleep.
+
+pub mod bus;
+pub mod daemon;
+pub mod notify;
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+/// How long any single wait may take before the test fails. Generous: the VM tier runs
+/// under instruction emulation.
+pub const TIMEOUT: Duration = Duration::from_secs(60);
+
+/// The uid/gid tests use for an unprivileged caller (`nobody`).
+pub const NOBODY: u32 = 65534;
+
+/// The repository root.
+pub fn repo_root() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .expect("tests/ has a parent")
+        .to_owned()
+}
+
+/// Path of a binary of the workspace, built next to the running test
+/// (`target/<profile>/deps/test-…` → `target/<profile>/NAME`).
+pub fn binary(name: &str) -> PathBuf {
+    let exe = std::env::current_exe().expect("current_exe");
+    let mut dir = exe
+        .parent()
+        .expect("test binary has a directory")
+        .to_owned();
+    if dir.ends_with("deps") {
+        dir.pop();
+    }
+    let path = dir.join(name);
+    assert!(
+        path.exists(),
+        "{} does not exist: build the binaries first (cargo build --workspace --bins)",
+        path.display()
+    );
+    path
+}
