@@ -54,6 +54,7 @@ pub fn init(target: LogTarget, level: LogLevel) -> LogHandle {
     let stderr = journald.is_none().then(|| {
         tracing_subscriber::fmt::layer()
             .with_writer(std::io::stderr)
+            .with_ansi(std::io::stderr().is_terminal())
             .with_target(false)
     });
     tracing_subscriber::registry()

@@ -1,5 +1,5 @@
-//! A private system-like bus: deny by default, like the real system bus, plus the shipped
-//! rdmad policy file.
+//! A private system-like bus (`tests/bus/private-bus.conf.in`): deny by default, like the
+//! real system bus, plus the shipped rdmad policy file.
 
 use std::io::{BufRead, BufReader};
 use std::os::unix::fs::PermissionsExt;
@@ -26,34 +26,9 @@ impl PrivateBus {
             .expect("chmod bus dir");
         let policy = repo_root().join("unit/org.rdmad1.conf");
         assert!(policy.exists(), "{} is missing", policy.display());
-        let config = format!(
-            r#"<!DOCTYPE busconfig PUBLIC "-//freedesktop//DTD D-BUS Bus Configuration 1.0//EN"
- "http://www.freedesktop.org/standards/dbus/1.0/busconfig.dtd">
-<busconfig>
-  <listen>unix:path={socket}</listen>
-  <auth>EXTERNAL</auth>
-  <!-- The defaults of Debian's system bus (/usr/share/dbus-1/system.conf). -->
-  <policy context="default">
-    <allow user="*"/>
-    <deny own="*"/>
-    <deny send_type="method_call"/>
-    <allow send_type="signal"/>
-    <allow send_requested_reply="true" send_type="method_return"/>
-    <allow send_requested_reply="true" send_type="error"/>
-    <allow receive_type="method_call"/>
-    <allow receive_type="method_return"/>
-    <allow receive_type="error"/>
-    <allow receive_type="signal"/>
-    <allow send_destination="org.freedesktop.DBus" send_interface="org.freedesktop.DBus"/>
-    <allow send_destination="org.freedesktop.DBus" send_interface="org.freedesktop.DBus.Introspectable"/>
-    <allow send_destination="org.freedesktop.DBus" send_interface="org.freedesktop.DBus.Properties"/>
-  </policy>
-  <include>{policy}</include>
-</busconfig>
-"#,
-            socket = dir.path().join("bus").display(),
-            policy = policy.display(),
-        );
+        let config = include_str!("../bus/private-bus.conf.in")
+            .replace("@SOCKET@", &dir.path().join("bus").display().to_string())
+            .replace("@POLICY@", &policy.display().to_string());
         let config_path = dir.path().join("bus.conf");
         std::fs::write(&config_path, config).expect("write bus config");
         let mut child = Command::new("dbus-daemon")

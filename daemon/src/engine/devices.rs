@@ -58,14 +58,14 @@ pub fn open_devices(selection: &DeviceSelection) -> Result<Vec<DeviceEntry>, Eng
             Ok(devices) => devices,
             Err(ProviderError::NoDevices(why)) if selection.loopback_fallback => {
                 tracing::info!(
-                    "no RDMA device ({why}); serving the loopback device {}",
+                    "no RDMA device: {why}; serving the loopback device {}",
                     loopback::DEFAULT_NAME
                 );
                 vec![loopback_device()]
             }
             Err(ProviderError::NoDevices(why)) => {
                 return Err(EngineError::Startup(format!(
-                    "no RDMA device ({why}) and daemon.loopback_fallback is false"
+                    "no RDMA device: {why}; and daemon.loopback_fallback is false"
                 )))
             }
             Err(other) => return Err(other.into()),
