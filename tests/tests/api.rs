@@ -50,7 +50,12 @@ async fn device_object_reports_ports_gids_and_capabilities() {
     let ports = device.ports().await.unwrap();
     assert_eq!(ports.len(), 1);
     assert_eq!(
-        (ports[0].port, ports[0].state.as_str(), ports[0].active_mtu, ports[0].link_layer.as_str()),
+        (
+            ports[0].port,
+            ports[0].state.as_str(),
+            ports[0].active_mtu,
+            ports[0].link_layer.as_str()
+        ),
         (1, "active", 4096, "ethernet")
     );
     let gids = device.gids().await.unwrap();
@@ -121,7 +126,10 @@ async fn rdmactl_dev_text_and_json_agree_for_every_user() {
         for (key, value) in dev.as_object().unwrap() {
             if value.is_string() || value.is_number() {
                 let plain = value.as_str().map_or(value.to_string(), str::to_owned);
-                assert!(first.contains(&format!("{key} {plain}")), "{key} in {first:?}");
+                assert!(
+                    first.contains(&format!("{key} {plain}")),
+                    "{key} in {first:?}"
+                );
             } else {
                 assert!(text.contains(&format!("\n    {key} ")), "{key} in {text}");
             }
@@ -141,7 +149,10 @@ async fn rdmactl_status_for_every_user() {
         assert_eq!(json["devices"], serde_json::json!(["loopback0"]));
         let text = rdmactl_ok(&bus, uid, &["status"]);
         for key in json.as_object().unwrap().keys() {
-            assert!(text.lines().any(|l| l.starts_with(&format!("{key} "))), "{key}: {text}");
+            assert!(
+                text.lines().any(|l| l.starts_with(&format!("{key} "))),
+                "{key}: {text}"
+            );
         }
     }
 }
@@ -162,13 +173,19 @@ async fn rdmactl_errors_are_one_line_and_non_zero() {
         String::from_utf8_lossy(&out.stderr),
         "rdmactl: Reload needs administrator rights: run it as root (or set daemon.admin_group in the configuration)\n"
     );
-    assert_eq!(rdmactl_ok(&bus, None, &["reload"]), "configuration reloaded\n");
+    assert_eq!(
+        rdmactl_ok(&bus, None, &["reload"]),
+        "configuration reloaded\n"
+    );
 
     drop(daemon);
     let out = rdmactl(&bus, Some(NOBODY), &["status"]);
     assert_eq!(out.status.code(), Some(1));
     let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(stderr.starts_with("rdmactl: rdmad is not running"), "{stderr}");
+    assert!(
+        stderr.starts_with("rdmactl: rdmad is not running"),
+        "{stderr}"
+    );
     assert_eq!(stderr.lines().count(), 1, "{stderr}");
 }
 

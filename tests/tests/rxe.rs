@@ -46,7 +46,10 @@ async fn rxe_daemon_serves_rxe0_with_the_verbs_provider() {
         assert_eq!(rxe["provider"], "verbs");
         assert_eq!(rxe["node_guid"], guid.as_str());
         let port = &rxe["ports"][0];
-        assert_eq!((port["port"].as_u64(), port["state"].as_str()), (Some(1), Some("active")));
+        assert_eq!(
+            (port["port"].as_u64(), port["state"].as_str()),
+            (Some(1), Some("active"))
+        );
         assert_eq!(port["link_layer"], "ethernet");
         assert!(rxe["gids"]
             .as_array()
