@@ -250,12 +250,6 @@ impl MemoryRegion for LoopbackMr {
     fn rkey(&self) -> u32 {
         self.key
     }
-    fn addr(&self) -> u64 {
-        self.memory.addr()
-    }
-    fn len(&self) -> usize {
-        self.memory.len()
-    }
     fn access(&self) -> Access {
         self.access
     }

@@ -154,15 +154,19 @@ pub trait ProtectionDomain: Send + Sync + fmt::Debug {
 pub trait MemoryRegion: Send + Sync + fmt::Debug {
     fn lkey(&self) -> u32;
     fn rkey(&self) -> u32;
+    fn access(&self) -> Access;
+    /// The memory behind the registration (all of it is registered).
+    fn memory(&self) -> &Arc<SharedMemory>;
     /// The address the device knows the region by (the daemon's mapping).
-    fn addr(&self) -> u64;
-    fn len(&self) -> usize;
+    fn addr(&self) -> u64 {
+        self.memory().addr()
+    }
+    fn len(&self) -> usize {
+        self.memory().len()
+    }
     fn is_empty(&self) -> bool {
         self.len() == 0
     }
-    fn access(&self) -> Access;
-    /// The memory behind the registration.
-    fn memory(&self) -> &Arc<SharedMemory>;
 }
 
 /// A memory window; bound and invalidated with work requests on a QP.

@@ -592,12 +592,6 @@ impl MemoryRegion for VerbsMr {
     fn rkey(&self) -> u32 {
         self.rkey
     }
-    fn addr(&self) -> u64 {
-        self.memory.addr()
-    }
-    fn len(&self) -> usize {
-        self.memory.len()
-    }
     fn access(&self) -> Access {
         self.access
     }
