@@ -8,6 +8,14 @@ use std::path::{Path, PathBuf};
 
 use serde::Deserialize;
 
+mod pool;
+mod quota;
+mod size;
+
+pub use pool::{PoolConfig, HUGEPAGE, PAGE};
+pub use quota::{QuotaKind, QuotaLimits, QuotaSection};
+pub use size::ByteSize;
+
 /// Where the packaged configuration lives.
 pub const DEFAULT_PATH: &str = "/etc/rdmad/rdmad.toml";
 
@@ -19,6 +27,11 @@ pub struct Config {
     /// `[[device]]` tables: which devices to serve and how. Empty: every device found.
     #[serde(default, rename = "device")]
     pub devices: Vec<DeviceConfig>,
+    /// `[[pool]]` tables. Empty: one built-in pool named `default`.
+    #[serde(default, rename = "pool")]
+    pub pools: Vec<PoolConfig>,
+    #[serde(default)]
+    pub quota: QuotaSection,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
@@ -233,7 +246,34 @@ impl Config {
                 ));
             }
         }
-        Ok(())
+        let mut pool_names = HashSet::new();
+        for (i, pool) in self.pools.iter().enumerate() {
+            pool.validate(i)?;
+            if !pool_names.insert(pool.name.as_str()) {
+                return Err((
+                    format!("pool[{i}].name"),
+                    format!("pool {:?} is configured twice", pool.name),
+                ));
+            }
+            if let (Some(device), false) = (&pool.device, self.devices.is_empty()) {
+                if self.device(device).is_none() {
+                    return Err((
+                        format!("pool[{i}].device"),
+                        format!("device {device:?} is not one of the [[device]] tables"),
+                    ));
+                }
+            }
+        }
+        self.quota.validate()
+    }
+
+    /// The pools served: the configured ones, or the built-in `default` pool.
+    pub fn effective_pools(&self) -> Vec<PoolConfig> {
+        if self.pools.is_empty() {
+            vec![PoolConfig::builtin_default()]
+        } else {
+            self.pools.clone()
+        }
     }
 
     /// The `[[device]]` entry for `name`, if any.
@@ -428,6 +468,24 @@ mod tests {
                 "duplicate key",
             ),
             ("[daemon\n", 1, "daemon", "invalid table header"),
+            ("[[pool]]\nname = \"p\"\ncapacity = \"1GiB\"\n", 1, "pool[0].size_classes", "set size_classes"),
+            ("[[pool]]\nname = \"p\"\ncapacity = \"1GB\"\n", 3, "pool[0].capacity", "unknown unit"),
+            ("[[pool]]\nname = \"p\"\ncapacity = -4096\nsize_classes = [4096]\n", 3, "pool[0].capacity", "negative"),
+            ("[[pool]]\nname = \"p\"\ncapacity = \"1MiB\"\nsize_classes = [\"4KiB\", \"2MiB\"]\n", 4, "pool[0].size_classes", "larger than the capacity"),
+            ("[[pool]]\nname = \"p\"\ncapacity = \"1MiB\"\nsize_classes = [\"64KiB\", \"4KiB\"]\n", 4, "pool[0].size_classes", "smallest first"),
+            ("[[pool]]\nname = \"p\"\ncapacity = \"1MiB\"\nsize_classes = [\"5000\"]\n", 4, "pool[0].size_classes", "multiple of the page size"),
+            ("[[pool]]\nname = \"p\"\ncapacity = \"1MiB\"\nsize_classes = [\"512KiB\"]\nwarm = 4\n", 5, "pool[0].warm", "more than the capacity"),
+            ("[[pool]]\nname = \"p\"\ncapacity = \"1MiB\"\ngranularity = \"4KiB\"\nwarm = 1\n", 5, "pool[0].warm", "need size_classes"),
+            ("[[pool]]\nname = \"p\"\ncapacity = \"4MiB\"\nsize_classes = [\"4KiB\"]\nhugepages = true\n", 4, "pool[0].size_classes", "2MiB"),
+            ("[[pool]]\nname = \"a b\"\ncapacity = 4096\nsize_classes = [4096]\n", 2, "pool[0].name", "letters, digits"),
+            ("[[pool]]\nname = \"p\"\ncapacity = 4096\nsize_classes = [4096]\nusers = [\"no-such-user-x\"]\n", 5, "pool[0].users", "no user named"),
+            ("[[pool]]\nname = \"p\"\ncapacity = 4096\nsize_classes = [4096]\n[[pool]]\nname = \"p\"\ncapacity = 4096\nsize_classes = [4096]\n", 6, "pool[1].name", "configured twice"),
+            ("[[device]]\nname = \"a\"\n[[pool]]\nname = \"p\"\ndevice = \"b\"\ncapacity = 4096\nsize_classes = [4096]\n", 5, "pool[0].device", "not one of the [[device]]"),
+            ("[quota.default]\nregions = -1\n", 2, "quota.default.regions", "invalid value"),
+            ("[quota.default]\nregions = 100000000000\n", 2, "quota.default.regions", "absurd"),
+            ("[quota.default]\nregion = 10\n", 2, "quota.default.region", "unknown field"),
+            ("[quota.user.no-such-user-x]\nregions = 1\n", 1, "quota.user.no-such-user-x", "no user named"),
+            ("[quota.group.root]\nregistered_bytes = \"2 PiB\"\n", 2, "quota.group.root.registered_bytes", "unknown unit"),
         ];
         for (source, line, key, message) in cases {
             let e = parse(source).expect_err(source);

@@ -1,0 +1,132 @@
+//! `[quota.default]`, `[quota.user.NAME]`, `[quota.group.NAME]`: per-user limits.
+
+use std::collections::BTreeMap;
+
+use serde::Deserialize;
+
+use super::size::ByteSize;
+
+#[derive(Debug, Clone, Default, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct QuotaSection {
+    /// Limits of every user without a more specific entry; unset fields take the
+    /// built-in defaults.
+    #[serde(default)]
+    pub default: QuotaLimits,
+    /// Per-user limits; unset fields fall back to the user's groups, then to the default.
+    #[serde(default)]
+    pub user: BTreeMap<String, QuotaLimits>,
+    /// Per-group limits; a user in several groups gets the most generous of them.
+    #[serde(default)]
+    pub group: BTreeMap<String, QuotaLimits>,
+}
+
+/// One quota table. Every limit is per user (uid), summed over that user's sessions.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct QuotaLimits {
+    /// Open sessions.
+    pub sessions: Option<u64>,
+    /// Allocated regions (attached regions are charged to their owner).
+    pub regions: Option<u64>,
+    /// Bytes of allocated regions.
+    pub registered_bytes: Option<ByteSize>,
+    /// Live access keys.
+    pub keys: Option<u64>,
+}
+
+/// The limits a resource kind has, in the order they are reported.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum QuotaKind {
+    Sessions,
+    Regions,
+    RegisteredBytes,
+    Keys,
+}
+
+impl QuotaKind {
+    pub const ALL: [QuotaKind; 4] = [
+        QuotaKind::Sessions,
+        QuotaKind::Regions,
+        QuotaKind::RegisteredBytes,
+        QuotaKind::Keys,
+    ];
+
+    /// The key in a quota table.
+    pub fn key(self) -> &'static str {
+        match self {
+            QuotaKind::Sessions => "sessions",
+            QuotaKind::Regions => "regions",
+            QuotaKind::RegisteredBytes => "registered_bytes",
+            QuotaKind::Keys => "keys",
+        }
+    }
+
+    /// The built-in limit when `[quota.default]` does not set one.
+    pub fn builtin(self) -> u64 {
+        match self {
+            QuotaKind::Sessions => 64,
+            QuotaKind::Regions => 4096,
+            QuotaKind::RegisteredBytes => 4 << 30,
+            QuotaKind::Keys => 4096,
+        }
+    }
+
+    /// Above this a limit is a typo, not a policy.
+    fn absurd(self) -> u64 {
+        match self {
+            QuotaKind::RegisteredBytes => 1 << 50,
+            _ => 1 << 24,
+        }
+    }
+}
+
+impl QuotaLimits {
+    pub fn get(&self, kind: QuotaKind) -> Option<u64> {
+        match kind {
+            QuotaKind::Sessions => self.sessions,
+            QuotaKind::Regions => self.regions,
+            QuotaKind::RegisteredBytes => self.registered_bytes.map(|b| b.0),
+            QuotaKind::Keys => self.keys,
+        }
+    }
+
+    fn validate(&self, table: &str) -> Result<(), (String, String)> {
+        for kind in QuotaKind::ALL {
+            if let Some(limit) = self.get(kind) {
+                if limit > kind.absurd() {
+                    return Err((
+                        format!("{table}.{}", kind.key()),
+                        format!("{limit} is absurd (the most rdmad accepts is {})", kind.absurd()),
+                    ));
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+impl QuotaSection {
+    pub(super) fn validate(&self) -> Result<(), (String, String)> {
+        self.default.validate("quota.default")?;
+        for (name, limits) in &self.user {
+            if !matches!(nix::unistd::User::from_name(name), Ok(Some(_))) {
+                return Err((
+                    format!("quota.user.{name}"),
+                    format!("there is no user named {name:?}"),
+                ));
+            }
+            limits.validate(&format!("quota.user.{name}"))?;
+        }
+        for (name, limits) in &self.group {
+            if !matches!(nix::unistd::Group::from_name(name), Ok(Some(_))) {
+                return Err((
+                    format!("quota.group.{name}"),
+                    format!("there is no group named {name:?}"),
+                ));
+            }
+            limits.validate(&format!("quota.group.{name}"))?;
+        }
+        Ok(())
+    }
+}
