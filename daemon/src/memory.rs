@@ -30,22 +30,40 @@ impl SharedMemory {
     /// Creates a zero-filled memfd of `len` bytes named `name` (visible in
     /// `/proc/PID/fd`), seals its size and maps it.
     pub fn create(name: &CStr, len: usize) -> io::Result<SharedMemory> {
+        SharedMemory::create_with(name, len, false)
+    }
+
+    /// Like [`SharedMemory::create`], backed by 2 MiB hugepages when `hugepages` is set
+    /// (`len` must then be a multiple of 2 MiB).
+    ///
+    /// The file is made mode 0600: a process given a read-only descriptor cannot reopen
+    /// it read-write through `/proc/self/fd` unless it runs as the daemon's user. The size
+    /// is sealed, and so are the seals, so nobody can shrink it under a mapping or seal it
+    /// against the daemon's own writes.
+    pub fn create_with(name: &CStr, len: usize, hugepages: bool) -> io::Result<SharedMemory> {
         if len == 0 {
             return Err(io::Error::new(
                 io::ErrorKind::InvalidInput,
                 "shared memory must be at least one byte long",
             ));
         }
-        let fd = memfd_create(
-            name,
-            MemFdCreateFlag::MFD_CLOEXEC | MemFdCreateFlag::MFD_ALLOW_SEALING,
+        let mut flags = MemFdCreateFlag::MFD_CLOEXEC | MemFdCreateFlag::MFD_ALLOW_SEALING;
+        if hugepages {
+            flags |= MemFdCreateFlag::MFD_HUGETLB;
+        }
+        let fd = memfd_create(name, flags)?;
+        nix::sys::stat::fchmod(
+            std::os::fd::AsRawFd::as_raw_fd(&fd),
+            nix::sys::stat::Mode::from_bits_truncate(0o600),
         )?;
         let size = libc::off_t::try_from(len)
             .map_err(|_| io::Error::new(io::ErrorKind::InvalidInput, "size too large"))?;
         nix::unistd::ftruncate(&fd, size)?;
         fcntl(
             std::os::fd::AsRawFd::as_raw_fd(&fd),
-            FcntlArg::F_ADD_SEALS(SealFlag::F_SEAL_SHRINK | SealFlag::F_SEAL_GROW),
+            FcntlArg::F_ADD_SEALS(
+                SealFlag::F_SEAL_SHRINK | SealFlag::F_SEAL_GROW | SealFlag::F_SEAL_SEAL,
+            ),
         )?;
         let length = std::num::NonZeroUsize::new(len).expect("len checked above");
         // SAFETY: a fresh shared mapping of a file we own, at an address the kernel picks;
@@ -156,6 +174,13 @@ mod tests {
             nix::unistd::ftruncate(mem.fd(), 16384).is_err(),
             "grow must be sealed"
         );
+        let raw = std::os::fd::AsRawFd::as_raw_fd(&mem.fd());
+        assert!(
+            fcntl(raw, FcntlArg::F_ADD_SEALS(SealFlag::F_SEAL_WRITE)).is_err(),
+            "the seals themselves must be sealed"
+        );
+        let mode = nix::sys::stat::fstat(raw).unwrap().st_mode & 0o777;
+        assert_eq!(mode, 0o600);
     }
 
     #[test]

@@ -1,6 +1,9 @@
 //! Who may do what. Pure logic over the caller's identity (taken from the bus, never from
 //! arguments) and the configuration; tested without a bus.
 
+pub mod keys;
+pub mod quota;
+
 use crate::config::Config;
 
 /// The identity of a D-Bus caller, as the bus daemon vouches for it.
