@@ -3,6 +3,7 @@
 //! calls in, the providers are called out to.
 
 mod devices;
+pub mod pool;
 
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicU32, Ordering};

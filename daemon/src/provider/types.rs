@@ -31,6 +31,11 @@ impl Access {
         self.0
     }
 
+    /// Both sets of rights (`|` in a `const`).
+    pub const fn union(self, other: Access) -> Access {
+        Access(self.0 | other.0)
+    }
+
     /// Flags from raw bits; `None` if a bit rdmad does not know is set.
     pub fn from_bits(bits: u32) -> Option<Access> {
         (bits & !Self::ALL == 0).then_some(Access(bits))
