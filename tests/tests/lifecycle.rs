@@ -22,7 +22,7 @@ async fn ready_is_sent_after_the_name_is_owned_and_objects_are_served() {
     assert!(
         ready
             .lines()
-            .any(|l| l == "STATUS=Serving 1 device: loopback0 (loopback)"),
+            .any(|l| l == "STATUS=Serving 1 device: loopback0 (loopback); 0 sessions, 0 regions"),
         "{ready:?}"
     );
 

@@ -9,10 +9,15 @@ use crate::provider::ProviderError;
 pub fn to_dbus_error(e: EngineError) -> Error {
     let message = e.to_string();
     match e {
-        EngineError::NoSuchDevice { .. } => Error::NoSuchObject(message),
-        EngineError::Config(_) => Error::InvalidArgument(message),
+        EngineError::NoSuchDevice { .. } | EngineError::NoSuchObject(_) => {
+            Error::NoSuchObject(message)
+        }
+        EngineError::Config(_) | EngineError::InvalidArgument(_) => Error::InvalidArgument(message),
         EngineError::Provider(p) => provider_error(p),
-        EngineError::Startup(_) => Error::DeviceError(message),
+        EngineError::Startup(_) | EngineError::Io(_) => Error::DeviceError(message),
+        EngineError::NotAuthorized(_) => Error::NotAuthorized(message),
+        EngineError::Quota(_) => Error::QuotaExceeded(message),
+        EngineError::PoolExhausted(_) => Error::PoolExhausted(message),
     }
 }
 

@@ -4,6 +4,7 @@
 
 mod devices;
 pub mod pool;
+pub mod registry;
 
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicU32, Ordering};
@@ -11,8 +12,12 @@ use std::sync::{Arc, RwLock};
 use std::time::SystemTime;
 
 pub use devices::{open_devices, DeviceEntry, DeviceSelection};
+pub use pool::{Pool, PoolStats};
+pub use registry::{AttachMode, Handout, KeyId, RegionId, Registry, Removed, SessionId};
 
 use crate::config::{Config, ConfigError, ProviderChoice};
+use crate::lock::lock;
+use crate::policy::quota::QuotaError;
 use crate::provider::{ObjectCounts, ProviderError};
 
 #[derive(Debug, thiserror::Error)]
@@ -25,11 +30,28 @@ pub enum EngineError {
     Config(#[from] ConfigError),
     #[error("{0}")]
     Startup(String),
+    #[error("{0} does not exist")]
+    NoSuchObject(String),
+    #[error("{0}")]
+    NotAuthorized(String),
+    #[error(transparent)]
+    Quota(#[from] QuotaError),
+    #[error("{0}")]
+    PoolExhausted(String),
+    #[error("{0}")]
+    InvalidArgument(String),
+    #[error("{0}")]
+    Io(String),
 }
 
 /// The daemon's state.
 #[derive(Debug)]
 pub struct Engine {
+    /// Sessions, regions and keys.
+    pub registry: Registry,
+    pools: Vec<Arc<Pool>>,
+    refill: Arc<pool::Refill>,
+    refill_thread: std::sync::Mutex<Option<std::thread::JoinHandle<()>>>,
     devices: Vec<DeviceEntry>,
     config: RwLock<Arc<Config>>,
     config_path: PathBuf,
@@ -46,7 +68,35 @@ impl Engine {
     ) -> Result<Engine, EngineError> {
         let selection = DeviceSelection::from_config(&config, &config_path, provider);
         let devices = open_devices(&selection)?;
+        let refill = Arc::new(pool::Refill::default());
+        let mut pools = Vec::new();
+        for (i, pool_config) in config.effective_pools().into_iter().enumerate() {
+            let entry = match &pool_config.device {
+                Some(name) => devices.iter().find(|d| d.device.name() == name).ok_or_else(|| {
+                    ConfigError {
+                        file: config_path.clone(),
+                        line: 0,
+                        key: format!("pool[{i}].device"),
+                        message: format!("no device named {name:?} is served"),
+                    }
+                })?,
+                None => &devices[0],
+            };
+            pools.push(Arc::new(Pool::new(
+                pool_config,
+                entry.device.name().to_owned(),
+                Arc::clone(&entry.pd),
+                Arc::clone(&refill),
+            )));
+        }
+        let refill_thread = pool::spawn_refill_thread(pools.clone(), Arc::clone(&refill))
+            .map_err(|e| EngineError::Startup(format!("cannot start the refill thread: {e}")))?;
+        refill.poke();
         Ok(Engine {
+            registry: Registry::default(),
+            pools,
+            refill,
+            refill_thread: std::sync::Mutex::new(Some(refill_thread)),
             devices,
             config: RwLock::new(Arc::new(config)),
             config_path,
@@ -76,6 +126,17 @@ impl Engine {
         } else {
             names.join(", ")
         }
+    }
+
+    pub fn pools(&self) -> &[Arc<Pool>] {
+        &self.pools
+    }
+
+    pub fn pool(&self, name: &str) -> Result<&Arc<Pool>, EngineError> {
+        self.pools.iter().find(|p| p.name() == name).ok_or_else(|| {
+            let names: Vec<&str> = self.pools.iter().map(|p| p.name()).collect();
+            EngineError::NoSuchObject(format!("pool {name:?} (pools: {})", names.join(", ")))
+        })
     }
 
     /// The configuration in force.
@@ -136,17 +197,39 @@ impl Engine {
             .iter()
             .map(|d| format!("{} ({})", d.device.name(), d.device.provider()))
             .collect();
+        let (sessions, regions, _) = self.registry.counts();
         format!(
-            "Serving {} device{}: {}",
+            "Serving {} device{}: {}; {sessions} session{}, {regions} region{}",
             devices.len(),
             if devices.len() == 1 { "" } else { "s" },
-            devices.join(", ")
+            devices.join(", "),
+            if sessions == 1 { "" } else { "s" },
+            if regions == 1 { "" } else { "s" },
         )
     }
 
     /// Releases everything, children before parents. Provider objects log their own
     /// failures on drop and never stop the teardown, so nothing is left behind.
     pub fn shutdown(self) {
+        let removed = self.registry.close_all();
+        if !removed.sessions.is_empty() {
+            tracing::info!(
+                sessions = removed.sessions.len(),
+                regions = removed.regions.len(),
+                "closed the remaining sessions"
+            );
+        }
+        lock(&self.refill.wanted).stop = true;
+        self.refill.wake.notify_all();
+        if let Some(thread) = lock(&self.refill_thread).take() {
+            if thread.join().is_err() {
+                tracing::error!("the refill thread panicked");
+            }
+        }
+        for pool in &self.pools {
+            pool.drain();
+        }
+        drop(self.pools);
         for entry in self.devices {
             tracing::debug!(device = entry.device.name(), "closing device");
             drop(entry);
@@ -180,7 +263,7 @@ mod tests {
         assert_eq!(engine.provider_counts().pds, 1);
         assert_eq!(
             engine.status_line(),
-            "Serving 1 device: loopback0 (loopback)"
+            "Serving 1 device: loopback0 (loopback); 0 sessions, 0 regions"
         );
         match engine.device("mlx5_0") {
             Err(e @ EngineError::NoSuchDevice { .. }) => {

@@ -1,0 +1,794 @@
+//! Sessions, regions and access keys, and who owns what. Every session's resources are
+//! released as one unit; quota usage is reserved under the same lock that checks it, so
+//! concurrent requests never overshoot.
+
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::os::fd::{AsFd, OwnedFd};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, SystemTime};
+
+use super::pool::{Pool, PoolError};
+use super::EngineError;
+use crate::config::{Config, QuotaKind};
+use crate::lock::lock;
+use crate::policy::keys::{self, KeyDigest};
+use crate::policy::quota::{self, Usage};
+use crate::policy::{self, Caller};
+use crate::provider::MemoryRegion;
+
+pub type SessionId = u64;
+pub type RegionId = u64;
+pub type KeyId = u64;
+
+/// How a region is attached (and what an access key grants).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum AttachMode {
+    ReadOnly,
+    ReadWrite,
+}
+
+impl AttachMode {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            AttachMode::ReadOnly => "ro",
+            AttachMode::ReadWrite => "rw",
+        }
+    }
+
+    pub fn parse(s: &str) -> Option<AttachMode> {
+        match s {
+            "ro" => Some(AttachMode::ReadOnly),
+            "rw" => Some(AttachMode::ReadWrite),
+            _ => None,
+        }
+    }
+}
+
+#[derive(Debug)]
+struct Session {
+    owner: Caller,
+    created: SystemTime,
+    regions: BTreeSet<RegionId>,
+    attachments: BTreeMap<RegionId, AttachMode>,
+}
+
+#[derive(Debug)]
+struct Region {
+    session: SessionId,
+    owner_uid: u32,
+    pool: Arc<Pool>,
+    requested: u64,
+    mr: Arc<dyn MemoryRegion>,
+    keys: BTreeSet<KeyId>,
+    attached: BTreeMap<SessionId, AttachMode>,
+}
+
+impl Region {
+    fn size(&self) -> u64 {
+        self.mr.len() as u64
+    }
+}
+
+#[derive(Debug)]
+struct Key {
+    region: RegionId,
+    digest: KeyDigest,
+    access: AttachMode,
+    expires: Option<SystemTime>,
+    owner_uid: u32,
+}
+
+#[derive(Debug, Default)]
+struct State {
+    sessions: BTreeMap<SessionId, Session>,
+    regions: BTreeMap<RegionId, Region>,
+    keys: BTreeMap<KeyId, Key>,
+    usage: HashMap<u32, Usage>,
+    last_session: SessionId,
+    last_region: RegionId,
+    last_key: KeyId,
+}
+
+/// What a teardown removed, so the D-Bus layer can withdraw the objects.
+#[derive(Debug, Default, PartialEq, Eq)]
+pub struct Removed {
+    pub sessions: Vec<SessionId>,
+    pub regions: Vec<RegionId>,
+}
+
+/// Registered memory released outside the lock (deregistration can be slow).
+struct Garbage(Vec<Arc<dyn MemoryRegion>>);
+
+impl Garbage {
+    fn release(self) {
+        drop(self.0);
+    }
+}
+
+/// A snapshot of a session, as the caller may see it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SessionInfo {
+    pub id: SessionId,
+    pub uid: u32,
+    pub bus_name: String,
+    pub pid: Option<u32>,
+    pub created: SystemTime,
+    pub regions: Vec<RegionId>,
+    pub attachments: Vec<(RegionId, AttachMode)>,
+    pub registered_bytes: u64,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct KeyInfo {
+    pub id: KeyId,
+    pub region: RegionId,
+    pub access: AttachMode,
+    pub expires: Option<SystemTime>,
+    pub owner_uid: u32,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RegionInfo {
+    pub id: RegionId,
+    pub session: SessionId,
+    pub owner_uid: u32,
+    pub pool: String,
+    pub device: String,
+    pub size: u64,
+    pub requested: u64,
+    pub keys: Vec<KeyInfo>,
+    pub attachments: Vec<(SessionId, AttachMode)>,
+}
+
+/// One line of a quota report.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct QuotaLine {
+    pub kind: QuotaKind,
+    pub limit: u64,
+    pub used: u64,
+    pub source: String,
+}
+
+/// A region handed to a client: its id, a descriptor of its memfd and its size.
+#[derive(Debug)]
+pub struct Handout {
+    pub region: RegionId,
+    pub fd: OwnedFd,
+    pub size: u64,
+    pub access: AttachMode,
+}
+
+fn not_authorized(message: impl Into<String>) -> EngineError {
+    EngineError::NotAuthorized(message.into())
+}
+
+#[derive(Debug, Default)]
+pub struct Registry {
+    state: Mutex<State>,
+}
+
+impl Registry {
+    pub fn counts(&self) -> (usize, usize, usize) {
+        let s = lock(&self.state);
+        (s.sessions.len(), s.regions.len(), s.keys.len())
+    }
+
+    /// Live usage of `uid` (zero when it holds nothing).
+    pub fn usage(&self, uid: u32) -> Usage {
+        lock(&self.state).usage.get(&uid).copied().unwrap_or_default()
+    }
+
+    pub fn open_session(&self, config: &Config, caller: &Caller) -> Result<SessionId, EngineError> {
+        let limits = quota::limits_for(config, caller.uid, &caller.gids);
+        let mut s = lock(&self.state);
+        let usage = s.usage.entry(caller.uid).or_default();
+        quota::check(&limits, usage, QuotaKind::Sessions, 1)?;
+        usage.add(QuotaKind::Sessions, 1);
+        s.last_session += 1;
+        let id = s.last_session;
+        s.sessions.insert(
+            id,
+            Session {
+                owner: caller.clone(),
+                created: SystemTime::now(),
+                regions: BTreeSet::new(),
+                attachments: BTreeMap::new(),
+            },
+        );
+        Ok(id)
+    }
+
+    /// Closes a session: the owner connection, another process of the same user, or an
+    /// administrator may.
+    pub fn close_session(
+        &self,
+        config: &Config,
+        caller: &Caller,
+        id: SessionId,
+    ) -> Result<Removed, EngineError> {
+        let mut s = lock(&self.state);
+        let session = s.sessions.get(&id).ok_or(EngineError::NoSuchObject(format!("session {id}")))?;
+        if session.owner.uid != caller.uid && !policy::is_admin(caller, config) {
+            return Err(not_authorized(format!(
+                "session {id} belongs to another user; only its owner or an administrator may close it"
+            )));
+        }
+        let (removed, garbage) = Self::remove_session(&mut s, id);
+        drop(s);
+        garbage.release();
+        Ok(removed)
+    }
+
+    /// Closes every session of a bus connection that left the bus.
+    pub fn close_sessions_of(&self, bus_name: &str) -> Removed {
+        let mut s = lock(&self.state);
+        let ids: Vec<SessionId> = s
+            .sessions
+            .iter()
+            .filter(|(_, session)| session.owner.bus_name == bus_name)
+            .map(|(id, _)| *id)
+            .collect();
+        let mut all = Removed::default();
+        let mut garbage = Garbage(Vec::new());
+        for id in ids {
+            let (removed, g) = Self::remove_session(&mut s, id);
+            all.sessions.extend(removed.sessions);
+            all.regions.extend(removed.regions);
+            garbage.0.extend(g.0);
+        }
+        drop(s);
+        garbage.release();
+        all
+    }
+
+    /// Closes everything (shutdown).
+    pub fn close_all(&self) -> Removed {
+        let mut s = lock(&self.state);
+        let ids: Vec<SessionId> = s.sessions.keys().copied().collect();
+        let mut all = Removed::default();
+        let mut garbage = Garbage(Vec::new());
+        for id in ids {
+            let (removed, g) = Self::remove_session(&mut s, id);
+            all.sessions.extend(removed.sessions);
+            all.regions.extend(removed.regions);
+            garbage.0.extend(g.0);
+        }
+        drop(s);
+        garbage.release();
+        all
+    }
+
+    fn remove_session(s: &mut State, id: SessionId) -> (Removed, Garbage) {
+        let mut removed = Removed::default();
+        let mut garbage = Garbage(Vec::new());
+        let Some(session) = s.sessions.remove(&id) else {
+            return (removed, garbage);
+        };
+        removed.sessions.push(id);
+        for region in &session.attachments {
+            if let Some(r) = s.regions.get_mut(region.0) {
+                r.attached.remove(&id);
+            }
+        }
+        for region in session.regions {
+            if let Some(mr) = Self::remove_region(s, region) {
+                garbage.0.push(mr);
+                removed.regions.push(region);
+            }
+        }
+        if let Some(usage) = s.usage.get_mut(&session.owner.uid) {
+            usage.sub(QuotaKind::Sessions, 1);
+        }
+        Self::forget_idle_user(s, session.owner.uid);
+        (removed, garbage)
+    }
+
+    /// Removes a region with its keys and attachments; returns its registration to drop.
+    fn remove_region(s: &mut State, id: RegionId) -> Option<Arc<dyn MemoryRegion>> {
+        let region = s.regions.remove(&id)?;
+        for key in &region.keys {
+            s.keys.remove(key);
+        }
+        for session in region.attached.keys() {
+            if let Some(attacher) = s.sessions.get_mut(session) {
+                attacher.attachments.remove(&id);
+            }
+        }
+        if let Some(owner) = s.sessions.get_mut(&region.session) {
+            owner.regions.remove(&id);
+        }
+        let size = region.size();
+        if let Some(usage) = s.usage.get_mut(&region.owner_uid) {
+            usage.sub(QuotaKind::Regions, 1);
+            usage.sub(QuotaKind::RegisteredBytes, size);
+            usage.sub(QuotaKind::Keys, region.keys.len() as u64);
+        }
+        region.pool.release(size);
+        Self::forget_idle_user(s, region.owner_uid);
+        Some(region.mr)
+    }
+
+    fn forget_idle_user(s: &mut State, uid: u32) {
+        if s.usage.get(&uid).is_some_and(Usage::is_zero) {
+            s.usage.remove(&uid);
+        }
+    }
+
+    /// The session, if `caller`'s connection owns it.
+    fn own_session<'a>(
+        s: &'a mut State,
+        caller: &Caller,
+        id: SessionId,
+    ) -> Result<&'a mut Session, EngineError> {
+        let session = s
+            .sessions
+            .get_mut(&id)
+            .ok_or(EngineError::NoSuchObject(format!("session {id}")))?;
+        if session.owner.bus_name != caller.bus_name {
+            return Err(not_authorized(format!(
+                "session {id} belongs to another connection; use the session you opened"
+            )));
+        }
+        Ok(session)
+    }
+
+    /// Allocates a region of `size` bytes from `pool` into `session`.
+    pub fn allocate(
+        &self,
+        config: &Config,
+        caller: &Caller,
+        session: SessionId,
+        pool: &Arc<Pool>,
+        size: u64,
+    ) -> Result<Handout, EngineError> {
+        check_pool_access(pool, caller)?;
+        let rounded = pool.round(size)?;
+        let limits = quota::limits_for(config, caller.uid, &caller.gids);
+        {
+            let mut s = lock(&self.state);
+            Self::own_session(&mut s, caller, session)?;
+            let usage = s.usage.entry(caller.uid).or_default();
+            quota::check(&limits, usage, QuotaKind::Regions, 1)?;
+            quota::check(&limits, usage, QuotaKind::RegisteredBytes, rounded)?;
+            usage.add(QuotaKind::Regions, 1);
+            usage.add(QuotaKind::RegisteredBytes, rounded);
+        }
+        let unreserve = |registry: &Registry| {
+            let mut s = lock(&registry.state);
+            if let Some(usage) = s.usage.get_mut(&caller.uid) {
+                usage.sub(QuotaKind::Regions, 1);
+                usage.sub(QuotaKind::RegisteredBytes, rounded);
+            }
+            Self::forget_idle_user(&mut s, caller.uid);
+        };
+        let allocation = match pool.allocate(rounded) {
+            Ok(a) => a,
+            Err(e) => {
+                unreserve(self);
+                return Err(e.into());
+            }
+        };
+        let mr = allocation.mr;
+        let fd = match mr.memory().fd().try_clone_to_owned() {
+            Ok(fd) => fd,
+            Err(e) => {
+                unreserve(self);
+                pool.release(rounded);
+                return Err(EngineError::Io(format!("cannot duplicate the region's memfd: {e}")));
+            }
+        };
+        let mut s = lock(&self.state);
+        // The session may have been closed while the region was being made.
+        if Self::own_session(&mut s, caller, session).is_err() {
+            drop(s);
+            unreserve(self);
+            pool.release(rounded);
+            return Err(EngineError::NoSuchObject(format!(
+                "session {session} (closed during the allocation)"
+            )));
+        }
+        s.last_region += 1;
+        let id = s.last_region;
+        s.sessions
+            .get_mut(&session)
+            .expect("checked above")
+            .regions
+            .insert(id);
+        s.regions.insert(
+            id,
+            Region {
+                session,
+                owner_uid: caller.uid,
+                pool: Arc::clone(pool),
+                requested: size,
+                mr,
+                keys: BTreeSet::new(),
+                attached: BTreeMap::new(),
+            },
+        );
+        Ok(Handout {
+            region: id,
+            fd,
+            size: rounded,
+            access: AttachMode::ReadWrite,
+        })
+    }
+
+    /// The region, if `caller`'s connection owns it (through its session).
+    fn own_region<'a>(
+        s: &'a State,
+        caller: &Caller,
+        id: RegionId,
+    ) -> Result<&'a Region, EngineError> {
+        let region = s
+            .regions
+            .get(&id)
+            .ok_or(EngineError::NoSuchObject(format!("region {id}")))?;
+        let owner = s.sessions.get(&region.session).map(|x| x.owner.bus_name.as_str());
+        if owner != Some(caller.bus_name.as_str()) {
+            return Err(not_authorized(format!(
+                "region {id} belongs to another session; only its owner may do this"
+            )));
+        }
+        Ok(region)
+    }
+
+    /// Frees a region: its keys die, its attachments end, its registration is dropped and
+    /// its memory is never handed out again.
+    pub fn free(&self, caller: &Caller, id: RegionId) -> Result<(), EngineError> {
+        let mut s = lock(&self.state);
+        Self::own_region(&s, caller, id)?;
+        let mr = Self::remove_region(&mut s, id);
+        drop(s);
+        drop(mr);
+        Ok(())
+    }
+
+    /// Creates an access key for a region the caller owns.
+    pub fn share(
+        &self,
+        config: &Config,
+        caller: &Caller,
+        id: RegionId,
+        access: AttachMode,
+        lifetime: Option<Duration>,
+    ) -> Result<(String, KeyId), EngineError> {
+        let limits = quota::limits_for(config, caller.uid, &caller.gids);
+        let (token, digest) =
+            keys::new_token().map_err(|e| EngineError::Io(format!("no random numbers: {e}")))?;
+        let expires = match lifetime {
+            Some(d) => Some(SystemTime::now().checked_add(d).ok_or_else(|| {
+                EngineError::InvalidArgument(format!("expiry {d:?} is too far away"))
+            })?),
+            None => None,
+        };
+        let mut s = lock(&self.state);
+        Self::own_region(&s, caller, id)?;
+        Self::purge_expired(&mut s);
+        let usage = s.usage.entry(caller.uid).or_default();
+        quota::check(&limits, usage, QuotaKind::Keys, 1)?;
+        usage.add(QuotaKind::Keys, 1);
+        s.last_key += 1;
+        let key_id = s.last_key;
+        s.keys.insert(
+            key_id,
+            Key {
+                region: id,
+                digest,
+                access,
+                expires,
+                owner_uid: caller.uid,
+            },
+        );
+        s.regions.get_mut(&id).expect("checked above").keys.insert(key_id);
+        Ok((token, key_id))
+    }
+
+    /// Revokes a key: its region's owner or an administrator may. Live attachments stay.
+    pub fn revoke(&self, config: &Config, caller: &Caller, key: KeyId) -> Result<(), EngineError> {
+        let mut s = lock(&self.state);
+        let k = s.keys.get(&key).ok_or(EngineError::NoSuchObject(format!("key {key}")))?;
+        let region = k.region;
+        if !policy::is_admin(caller, config) {
+            Self::own_region(&s, caller, region)?;
+        }
+        Self::remove_key(&mut s, key);
+        Ok(())
+    }
+
+    fn remove_key(s: &mut State, key: KeyId) {
+        if let Some(k) = s.keys.remove(&key) {
+            if let Some(r) = s.regions.get_mut(&k.region) {
+                r.keys.remove(&key);
+            }
+            if let Some(usage) = s.usage.get_mut(&k.owner_uid) {
+                usage.sub(QuotaKind::Keys, 1);
+            }
+            Self::forget_idle_user(s, k.owner_uid);
+        }
+    }
+
+    fn purge_expired(s: &mut State) {
+        let now = SystemTime::now();
+        let expired: Vec<KeyId> = s
+            .keys
+            .iter()
+            .filter(|(_, k)| k.expires.is_some_and(|e| e <= now))
+            .map(|(id, _)| *id)
+            .collect();
+        for key in expired {
+            Self::remove_key(s, key);
+        }
+    }
+
+    /// Attaches the region `token` grants to `session`.
+    pub fn attach(
+        &self,
+        caller: &Caller,
+        session: SessionId,
+        token: &str,
+    ) -> Result<Handout, EngineError> {
+        if !keys::well_formed(token) {
+            return Err(EngineError::InvalidArgument(format!(
+                "not an access key: keys look like {}<64 hex digits>, as Region.Share returns them",
+                keys::TOKEN_PREFIX
+            )));
+        }
+        let digest = KeyDigest::of(token);
+        let mut s = lock(&self.state);
+        Self::own_session(&mut s, caller, session)?;
+        Self::purge_expired(&mut s);
+        let invalid = || not_authorized("the access key is not valid (unknown, revoked, expired, or its region was freed)");
+        let (region_id, access) = s
+            .keys
+            .values()
+            .find(|k| k.digest.matches(&digest))
+            .map(|k| (k.region, k.access))
+            .ok_or_else(invalid)?;
+        let region = s.regions.get(&region_id).ok_or_else(invalid)?;
+        if region.session == session {
+            return Err(EngineError::InvalidArgument(format!(
+                "region {region_id} belongs to this session already"
+            )));
+        }
+        if region.attached.contains_key(&session) {
+            return Err(EngineError::InvalidArgument(format!(
+                "region {region_id} is attached to this session already"
+            )));
+        }
+        check_pool_access(&region.pool, caller)?;
+        let fd = match access {
+            AttachMode::ReadWrite => region.mr.memory().fd().try_clone_to_owned(),
+            AttachMode::ReadOnly => reopen_read_only(region.mr.memory().fd()),
+        }
+        .map_err(|e| EngineError::Io(format!("cannot hand out region {region_id}: {e}")))?;
+        let size = region.size();
+        s.regions
+            .get_mut(&region_id)
+            .expect("looked up above")
+            .attached
+            .insert(session, access);
+        s.sessions
+            .get_mut(&session)
+            .expect("checked above")
+            .attachments
+            .insert(region_id, access);
+        Ok(Handout {
+            region: region_id,
+            fd,
+            size,
+            access,
+        })
+    }
+
+    /// Ends the caller's attachment of a region.
+    pub fn detach(&self, caller: &Caller, id: RegionId) -> Result<(), EngineError> {
+        let mut s = lock(&self.state);
+        let region = s
+            .regions
+            .get(&id)
+            .ok_or(EngineError::NoSuchObject(format!("region {id}")))?;
+        let session = region
+            .attached
+            .keys()
+            .copied()
+            .find(|sid| {
+                s.sessions
+                    .get(sid)
+                    .is_some_and(|x| x.owner.bus_name == caller.bus_name)
+            })
+            .ok_or_else(|| not_authorized(format!("region {id} is not attached to your session")))?;
+        s.regions.get_mut(&id).expect("looked up").attached.remove(&session);
+        if let Some(x) = s.sessions.get_mut(&session) {
+            x.attachments.remove(&id);
+        }
+        Ok(())
+    }
+
+    fn session_info(id: SessionId, session: &Session, s: &State) -> SessionInfo {
+        SessionInfo {
+            id,
+            uid: session.owner.uid,
+            bus_name: session.owner.bus_name.clone(),
+            pid: session.owner.pid,
+            created: session.created,
+            regions: session.regions.iter().copied().collect(),
+            attachments: session.attachments.iter().map(|(r, m)| (*r, *m)).collect(),
+            registered_bytes: session
+                .regions
+                .iter()
+                .filter_map(|r| s.regions.get(r))
+                .map(Region::size)
+                .sum(),
+        }
+    }
+
+    /// Sessions the caller may see: its user's, or all for an administrator.
+    pub fn sessions(&self, config: &Config, caller: &Caller) -> Vec<SessionInfo> {
+        let admin = policy::is_admin(caller, config);
+        let s = lock(&self.state);
+        s.sessions
+            .iter()
+            .filter(|(_, x)| admin || x.owner.uid == caller.uid)
+            .map(|(id, x)| Self::session_info(*id, x, &s))
+            .collect()
+    }
+
+    pub fn session(
+        &self,
+        config: &Config,
+        caller: &Caller,
+        id: SessionId,
+    ) -> Result<SessionInfo, EngineError> {
+        let s = lock(&self.state);
+        let x = s
+            .sessions
+            .get(&id)
+            .ok_or(EngineError::NoSuchObject(format!("session {id}")))?;
+        if x.owner.uid != caller.uid && !policy::is_admin(caller, config) {
+            return Err(not_authorized(format!("session {id} belongs to another user")));
+        }
+        Ok(Self::session_info(id, x, &s))
+    }
+
+    fn region_info(id: RegionId, r: &Region, s: &State) -> RegionInfo {
+        RegionInfo {
+            id,
+            session: r.session,
+            owner_uid: r.owner_uid,
+            pool: r.pool.name().to_owned(),
+            device: r.pool.device.clone(),
+            size: r.size(),
+            requested: r.requested,
+            keys: r
+                .keys
+                .iter()
+                .filter_map(|k| s.keys.get(k).map(|key| (k, key)))
+                .map(|(k, key)| KeyInfo {
+                    id: *k,
+                    region: id,
+                    access: key.access,
+                    expires: key.expires,
+                    owner_uid: key.owner_uid,
+                })
+                .collect(),
+            attachments: r.attached.iter().map(|(s, m)| (*s, *m)).collect(),
+        }
+    }
+
+    fn may_see_region(s: &State, r: &Region, caller: &Caller, admin: bool) -> bool {
+        admin
+            || r.owner_uid == caller.uid
+            || r
+                .attached
+                .keys()
+                .any(|sid| s.sessions.get(sid).is_some_and(|x| x.owner.uid == caller.uid))
+    }
+
+    /// Regions the caller may see: its user's, those attached by its user, or all for an
+    /// administrator.
+    pub fn regions(&self, config: &Config, caller: &Caller) -> Vec<RegionInfo> {
+        let admin = policy::is_admin(caller, config);
+        let s = lock(&self.state);
+        s.regions
+            .iter()
+            .filter(|(_, r)| Self::may_see_region(&s, r, caller, admin))
+            .map(|(id, r)| Self::region_info(*id, r, &s))
+            .collect()
+    }
+
+    pub fn region(
+        &self,
+        config: &Config,
+        caller: &Caller,
+        id: RegionId,
+    ) -> Result<RegionInfo, EngineError> {
+        let admin = policy::is_admin(caller, config);
+        let s = lock(&self.state);
+        let r = s
+            .regions
+            .get(&id)
+            .ok_or(EngineError::NoSuchObject(format!("region {id}")))?;
+        if !Self::may_see_region(&s, r, caller, admin) {
+            return Err(not_authorized(format!("region {id} belongs to another user")));
+        }
+        Ok(Self::region_info(id, r, &s))
+    }
+
+    /// The region's registration, for the data path (same visibility as `region`).
+    pub fn region_mr(&self, id: RegionId) -> Option<Arc<dyn MemoryRegion>> {
+        lock(&self.state).regions.get(&id).map(|r| Arc::clone(&r.mr))
+    }
+
+    /// Limits and live use of `uid`: the caller's own, or anyone's for an administrator.
+    pub fn quota(
+        &self,
+        config: &Config,
+        caller: &Caller,
+        uid: u32,
+    ) -> Result<Vec<QuotaLine>, EngineError> {
+        if uid != caller.uid && !policy::is_admin(caller, config) {
+            return Err(not_authorized(
+                "only administrators may read another user's quota",
+            ));
+        }
+        let gids = if uid == caller.uid {
+            caller.gids.clone()
+        } else {
+            quota::groups_of(uid)
+        };
+        let limits = quota::limits_for(config, uid, &gids);
+        let usage = self.usage(uid);
+        Ok(QuotaKind::ALL
+            .iter()
+            .map(|&kind| QuotaLine {
+                kind,
+                limit: limits.get(kind).value,
+                used: usage.get(kind),
+                source: limits.get(kind).source.clone(),
+            })
+            .collect())
+    }
+}
+
+/// Pool ACL: everyone when the pool lists no users and no groups.
+fn check_pool_access(pool: &Pool, caller: &Caller) -> Result<(), EngineError> {
+    let c = &pool.config;
+    if c.users.is_empty() && c.groups.is_empty() {
+        return Ok(());
+    }
+    let user = quota::user_name(caller.uid);
+    let in_group = c.groups.iter().any(|g| match nix::unistd::Group::from_name(g) {
+        Ok(Some(group)) => caller.gids.contains(&group.gid.as_raw()),
+        _ => false,
+    });
+    if c.users.contains(&user) || in_group {
+        return Ok(());
+    }
+    Err(not_authorized(format!(
+        "user {user} may not use pool {:?} (allowed users: {}; groups: {})",
+        pool.name(),
+        if c.users.is_empty() { "none".into() } else { c.users.join(", ") },
+        if c.groups.is_empty() { "none".into() } else { c.groups.join(", ") },
+    )))
+}
+
+/// A new read-only open file description of the memfd: the kernel then refuses writable
+/// shared mappings and writes through it.
+fn reopen_read_only(fd: std::os::fd::BorrowedFd<'_>) -> std::io::Result<OwnedFd> {
+    use std::os::fd::AsRawFd;
+    let path = format!("/proc/self/fd/{}", fd.as_fd().as_raw_fd());
+    let file = std::fs::OpenOptions::new().read(true).open(path)?;
+    Ok(file.into())
+}
+
+impl From<PoolError> for EngineError {
+    fn from(e: PoolError) -> Self {
+        match e {
+            PoolError::Exhausted { .. } => EngineError::PoolExhausted(e.to_string()),
+            PoolError::TooLarge { .. } | PoolError::Empty => EngineError::InvalidArgument(e.to_string()),
+            PoolError::Memory { .. } => EngineError::Io(e.to_string()),
+            PoolError::Provider(p) => EngineError::Provider(p),
+        }
+    }
+}
