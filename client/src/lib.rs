@@ -2,11 +2,13 @@
 //! proxies for every interface. Applications link this crate; it never links libibverbs.
 
 pub mod error;
+pub mod mapping;
 pub mod names;
 pub mod proxy;
 pub mod types;
 
 pub use error::Error;
+pub use mapping::RegionMapping;
 pub use names::{device_path, BUS_NAME, MANAGER_PATH};
 pub use types::{Capabilities, GidEntry, PortInfo};
 

@@ -7,8 +7,18 @@ pub const MANAGER_PATH: &str = "/org/rdmad1";
 /// Parent of the device objects.
 pub const DEVICE_PATH_PREFIX: &str = "/org/rdmad1/device";
 
+/// Parent of the pool objects.
+pub const POOL_PATH_PREFIX: &str = "/org/rdmad1/pool";
+/// Parent of the session objects (numbered, never reused).
+pub const SESSION_PATH_PREFIX: &str = "/org/rdmad1/session";
+/// Parent of the region objects (numbered, never reused).
+pub const REGION_PATH_PREFIX: &str = "/org/rdmad1/region";
+
 pub const MANAGER_INTERFACE: &str = "org.rdmad1.Manager";
 pub const DEVICE_INTERFACE: &str = "org.rdmad1.Device";
+pub const POOL_INTERFACE: &str = "org.rdmad1.Pool";
+pub const SESSION_INTERFACE: &str = "org.rdmad1.Session";
+pub const REGION_INTERFACE: &str = "org.rdmad1.Region";
 
 /// Environment variable naming the bus address clients use instead of the system bus.
 pub const BUS_ADDRESS_ENV: &str = "RDMAD_BUS_ADDRESS";
@@ -18,6 +28,24 @@ pub const BUS_ADDRESS_ENV: &str = "RDMAD_BUS_ADDRESS";
 /// hex), the escaping systemd uses for unit paths on the bus.
 pub fn device_path(device_name: &str) -> String {
     format!("{DEVICE_PATH_PREFIX}/{}", escape_path_element(device_name))
+}
+
+/// Object path of a pool.
+pub fn pool_path(pool_name: &str) -> String {
+    format!("{POOL_PATH_PREFIX}/{}", escape_path_element(pool_name))
+}
+
+pub fn session_path(id: u64) -> String {
+    format!("{SESSION_PATH_PREFIX}/{id}")
+}
+
+pub fn region_path(id: u64) -> String {
+    format!("{REGION_PATH_PREFIX}/{id}")
+}
+
+/// The number at the end of a session or region path.
+pub fn object_id(path: &str) -> Option<u64> {
+    path.rsplit('/').next()?.parse().ok()
 }
 
 /// Escapes a string into a valid, non-empty object path element (reversible with

@@ -1,11 +1,18 @@
 //! Typed proxies for the rdmad interfaces. Methods fail with [`Error`], so a refusal
 //! arrives as its `org.rdmad1.Error.*` variant; properties fail with `zbus::Error`.
 
+use std::collections::HashMap;
 use zbus::proxy;
-use zbus::zvariant::OwnedObjectPath;
+
+use zbus::zvariant::{OwnedFd, OwnedObjectPath, Value};
 
 use crate::error::Error;
-use crate::types::{Capabilities, DeviceSummary, GidEntry, PortInfo};
+use crate::types::{
+    Capabilities, DeviceSummary, GidEntry, PoolInfo, PortInfo, QuotaEntry, RegionInfo, SessionInfo,
+};
+
+/// `options a{sv}` of the mutating methods.
+pub type Options<'a> = HashMap<&'a str, Value<'a>>;
 
 #[proxy(
     interface = "org.rdmad1.Manager",
@@ -20,6 +27,18 @@ pub trait Manager {
     /// Re-reads the configuration file (admin only). An invalid file is refused with
     /// `InvalidArgument` and the running configuration stays in force.
     fn reload(&self) -> Result<(), Error>;
+    /// Opens a session bound to this connection: it ends with `Session.Close` or when the
+    /// connection leaves the bus, and everything in it is released.
+    fn open_session(&self, options: Options<'_>) -> Result<OwnedObjectPath, Error>;
+    /// Sessions the caller may see (its user's; all for administrators).
+    fn list_sessions(&self) -> Result<Vec<SessionInfo>, Error>;
+    /// Regions the caller may see (its user's and those it attached; all for administrators).
+    fn list_regions(&self) -> Result<Vec<RegionInfo>, Error>;
+    fn list_pools(&self) -> Result<Vec<PoolInfo>, Error>;
+    /// Limits and live use of `uid` (the caller's own; anyone's for administrators).
+    fn get_quota(&self, uid: u32) -> Result<Vec<QuotaEntry>, Error>;
+    /// Revokes an access key (its region's owner or an administrator).
+    fn revoke_key(&self, key_id: u64) -> Result<(), Error>;
 
     /// The daemon's version.
     #[zbus(property)]
@@ -36,6 +55,13 @@ pub trait Manager {
     /// How often the configuration was reloaded successfully.
     #[zbus(property(emits_changed_signal = "false"), name = "NReloads")]
     fn n_reloads(&self) -> zbus::Result<u32>;
+    /// Live daemon and provider objects by kind (`sessions`, `regions`, `mrs`, …).
+    #[zbus(property(emits_changed_signal = "false"))]
+    fn object_counts(&self) -> zbus::Result<HashMap<String, u64>>;
+    #[zbus(property(emits_changed_signal = "false"), name = "NSessions")]
+    fn n_sessions(&self) -> zbus::Result<u32>;
+    #[zbus(property(emits_changed_signal = "false"), name = "NRegions")]
+    fn n_regions(&self) -> zbus::Result<u32>;
 }
 
 #[proxy(interface = "org.rdmad1.Device", default_service = "org.rdmad1")]
@@ -57,4 +83,58 @@ pub trait Device {
     fn gids(&self) -> zbus::Result<Vec<GidEntry>>;
     #[zbus(property)]
     fn capabilities(&self) -> zbus::Result<Capabilities>;
+}
+
+#[proxy(interface = "org.rdmad1.Session", default_service = "org.rdmad1")]
+pub trait Session {
+    /// Ends the session, freeing its regions and ending its attachments.
+    fn close(&self) -> Result<(), Error>;
+    /// Allocates a region of at least `size` bytes from `pool`: its object, a read-write
+    /// memfd to map, and its size.
+    fn allocate_region(
+        &self,
+        pool: &str,
+        size: u64,
+        options: Options<'_>,
+    ) -> Result<(OwnedObjectPath, OwnedFd, u64), Error>;
+    /// Attaches the region an access key grants: its object, a memfd (read-only for an
+    /// `ro` key), its size and the access (`ro` or `rw`).
+    fn attach_region(
+        &self,
+        key: &str,
+        options: Options<'_>,
+    ) -> Result<(OwnedObjectPath, OwnedFd, u64, String), Error>;
+    fn get_info(&self) -> Result<SessionInfo, Error>;
+}
+
+#[proxy(interface = "org.rdmad1.Region", default_service = "org.rdmad1")]
+pub trait Region {
+    /// Frees the region (owner only): its keys die and attachments end.
+    fn free(&self) -> Result<(), Error>;
+    /// Creates an access key: options `access` (`"ro"` or `"rw"`, default `"ro"`) and
+    /// `expires_in` (seconds, `t`). Returns the token and the key's id.
+    fn share(&self, options: Options<'_>) -> Result<(String, u64), Error>;
+    /// Revokes one of this region's keys.
+    fn revoke_key(&self, key_id: u64) -> Result<(), Error>;
+    /// Ends the caller's attachment.
+    fn detach(&self) -> Result<(), Error>;
+    fn get_info(&self) -> Result<RegionInfo, Error>;
+}
+
+#[proxy(interface = "org.rdmad1.Pool", default_service = "org.rdmad1")]
+pub trait Pool {
+    #[zbus(property(emits_changed_signal = "const"))]
+    fn name(&self) -> zbus::Result<String>;
+    #[zbus(property(emits_changed_signal = "const"))]
+    fn device(&self) -> zbus::Result<String>;
+    #[zbus(property(emits_changed_signal = "const"))]
+    fn capacity(&self) -> zbus::Result<u64>;
+    #[zbus(property(emits_changed_signal = "false"))]
+    fn used(&self) -> zbus::Result<u64>;
+    #[zbus(property(emits_changed_signal = "false"))]
+    fn free(&self) -> zbus::Result<u64>;
+    #[zbus(property(emits_changed_signal = "false"), name = "NRegions")]
+    fn n_regions(&self) -> zbus::Result<u64>;
+    #[zbus(property(emits_changed_signal = "false"))]
+    fn warm_regions(&self) -> zbus::Result<u64>;
 }

@@ -61,3 +61,81 @@ pub struct Capabilities {
     /// Supported memory-window types: any of `type1`, `type2a`, `type2b`.
     pub memory_windows: Vec<String>,
 }
+
+/// A session, as `Manager.ListSessions` and `Session.GetInfo` show it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, Type, Value, OwnedValue)]
+pub struct SessionInfo {
+    pub id: u64,
+    pub path: OwnedObjectPath,
+    pub uid: u32,
+    pub user: String,
+    /// The unique bus name of the connection that owns it.
+    pub bus_name: String,
+    /// 0 when the bus did not report it.
+    pub pid: u32,
+    /// Microseconds since the Unix epoch.
+    pub created_usec: u64,
+    pub regions: u32,
+    pub attachments: u32,
+    pub registered_bytes: u64,
+}
+
+/// An access key, as its region shows it (never the token itself).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, Type, Value, OwnedValue)]
+pub struct KeyInfo {
+    pub id: u64,
+    pub region: u64,
+    /// `ro` or `rw`.
+    pub access: String,
+    /// Microseconds since the Unix epoch; 0: never.
+    pub expires_usec: u64,
+}
+
+/// A region, as `Manager.ListRegions` and `Region.GetInfo` show it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, Type, Value, OwnedValue)]
+pub struct RegionInfo {
+    pub id: u64,
+    pub path: OwnedObjectPath,
+    /// The owning session.
+    pub session: OwnedObjectPath,
+    pub owner_uid: u32,
+    pub pool: String,
+    pub device: String,
+    /// Bytes (the request rounded up to the pool's size class).
+    pub size: u64,
+    /// Bytes asked for.
+    pub requested: u64,
+    pub keys: Vec<KeyInfo>,
+    /// Sessions that attached it.
+    pub attachments: u32,
+}
+
+/// A pool, as `Manager.ListPools` shows it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, Type, Value, OwnedValue)]
+pub struct PoolInfo {
+    pub name: String,
+    pub path: OwnedObjectPath,
+    pub device: String,
+    pub capacity: u64,
+    pub used: u64,
+    pub free: u64,
+    pub regions: u64,
+    pub warm_regions: u64,
+    pub warm_bytes: u64,
+    /// Region sizes; empty for a pool with a granularity.
+    pub size_classes: Vec<u64>,
+    /// 0 for a pool with size classes.
+    pub granularity: u64,
+    pub hugepages: bool,
+}
+
+/// One limit of `Manager.GetQuota`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, Type, Value, OwnedValue)]
+pub struct QuotaEntry {
+    /// `sessions`, `regions`, `registered_bytes` or `keys`.
+    pub name: String,
+    pub limit: u64,
+    pub used: u64,
+    /// The configuration key that sets the limit.
+    pub source: String,
+}

@@ -4,6 +4,7 @@
 //! name owned, a notify message), never a sleep.
 
 pub mod bus;
+pub mod client;
 pub mod daemon;
 pub mod notify;
 

@@ -71,7 +71,9 @@ impl PoolConfig {
             return None;
         }
         if let Some(ByteSize(g)) = self.granularity {
-            return size.checked_next_multiple_of(g).filter(|&s| s <= self.capacity.0);
+            return size
+                .checked_next_multiple_of(g)
+                .filter(|&s| s <= self.capacity.0);
         }
         self.size_classes.iter().map(|c| c.0).find(|&c| c >= size)
     }
@@ -104,7 +106,10 @@ impl PoolConfig {
         if self.capacity.0 == 0 || self.capacity.0 % page != 0 {
             return Err((
                 key("capacity"),
-                format!("must be a positive multiple of the page size ({})", ByteSize(page)),
+                format!(
+                    "must be a positive multiple of the page size ({})",
+                    ByteSize(page)
+                ),
             ));
         }
         match (self.size_classes.is_empty(), self.granularity) {
@@ -124,7 +129,10 @@ impl PoolConfig {
                 if g == 0 || g % page != 0 {
                     return Err((
                         key("granularity"),
-                        format!("must be a positive multiple of the page size ({})", ByteSize(page)),
+                        format!(
+                            "must be a positive multiple of the page size ({})",
+                            ByteSize(page)
+                        ),
                     ));
                 }
                 if self.warm > 0 {
@@ -158,8 +166,8 @@ impl PoolConfig {
                         ));
                     }
                 }
-                let warm_bytes: u64 = self.size_classes.iter().map(|c| c.0).sum::<u64>()
-                    * u64::from(self.warm);
+                let warm_bytes: u64 =
+                    self.size_classes.iter().map(|c| c.0).sum::<u64>() * u64::from(self.warm);
                 if warm_bytes > self.capacity.0 {
                     return Err((
                         key("warm"),

@@ -97,7 +97,10 @@ impl QuotaLimits {
                 if limit > kind.absurd() {
                     return Err((
                         format!("{table}.{}", kind.key()),
-                        format!("{limit} is absurd (the most rdmad accepts is {})", kind.absurd()),
+                        format!(
+                            "{limit} is absurd (the most rdmad accepts is {})",
+                            kind.absurd()
+                        ),
                     ));
                 }
             }

@@ -27,7 +27,9 @@ impl ByteSize {
         let (number, unit) = text.split_at(split);
         let unit = unit.trim();
         let number: u64 = number.parse().map_err(|_| {
-            format!("{text:?} is not a size: write bytes as a number or with a unit, e.g. \"64KiB\"")
+            format!(
+                "{text:?} is not a size: write bytes as a number or with a unit, e.g. \"64KiB\""
+            )
         })?;
         let (_, scale) = UNITS.iter().find(|(u, _)| *u == unit).ok_or_else(|| {
             format!("{text:?}: unknown unit {unit:?} (use B, KiB, MiB, GiB or TiB)")

@@ -1,30 +1,56 @@
 //! The caller's identity, from the bus daemon's credentials for the sender — never from
-//! method arguments.
+//! method arguments. Unique bus names are never reused, so credentials are cached per name
+//! until the name leaves the bus.
+
+use std::collections::HashMap;
+use std::sync::Mutex;
 
 use rdmad_client::Error;
 use zbus::message::Header;
 use zbus::Connection;
 
+use crate::lock::lock;
 use crate::policy::Caller;
 
-pub async fn caller(connection: &Connection, header: &Header<'_>) -> Result<Caller, Error> {
-    let sender = header
-        .sender()
-        .ok_or_else(|| Error::NotAuthorized("the message carries no sender".into()))?;
-    let dbus = zbus::fdo::DBusProxy::new(connection).await?;
-    let credentials = dbus
-        .get_connection_credentials(sender.clone().into())
-        .await?;
-    let uid = credentials.unix_user_id().ok_or_else(|| {
-        Error::NotAuthorized("the bus did not report the caller's user id".into())
-    })?;
-    Ok(Caller {
-        bus_name: sender.to_string(),
-        uid,
-        gids: credentials
-            .unix_group_ids()
-            .map(|gids| gids.to_vec())
-            .unwrap_or_default(),
-        pid: credentials.process_id(),
-    })
+#[derive(Debug, Default)]
+pub struct CallerCache {
+    known: Mutex<HashMap<String, Caller>>,
+}
+
+impl CallerCache {
+    pub async fn caller(
+        &self,
+        connection: &Connection,
+        header: &Header<'_>,
+    ) -> Result<Caller, Error> {
+        let sender = header
+            .sender()
+            .ok_or_else(|| Error::NotAuthorized("the message carries no sender".into()))?;
+        if let Some(known) = lock(&self.known).get(sender.as_str()) {
+            return Ok(known.clone());
+        }
+        let dbus = zbus::fdo::DBusProxy::new(connection).await?;
+        let credentials = dbus
+            .get_connection_credentials(sender.clone().into())
+            .await?;
+        let uid = credentials.unix_user_id().ok_or_else(|| {
+            Error::NotAuthorized("the bus did not report the caller's user id".into())
+        })?;
+        let caller = Caller {
+            bus_name: sender.to_string(),
+            uid,
+            gids: credentials
+                .unix_group_ids()
+                .map(|gids| gids.to_vec())
+                .unwrap_or_default(),
+            pid: credentials.process_id(),
+        };
+        lock(&self.known).insert(caller.bus_name.clone(), caller.clone());
+        Ok(caller)
+    }
+
+    /// Forgets a name that left the bus.
+    pub fn forget(&self, bus_name: &str) {
+        lock(&self.known).remove(bus_name);
+    }
 }

@@ -6,6 +6,12 @@ use crate::engine::EngineError;
 use crate::policy::PolicyError;
 use crate::provider::ProviderError;
 
+impl From<EngineError> for Error {
+    fn from(e: EngineError) -> Self {
+        to_dbus_error(e)
+    }
+}
+
 pub fn to_dbus_error(e: EngineError) -> Error {
     let message = e.to_string();
     match e {

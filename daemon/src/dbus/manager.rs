@@ -1,16 +1,19 @@
 //! `/org/rdmad1`, interface `org.rdmad1.Manager`.
 
+use std::collections::HashMap;
 use std::sync::Arc;
-use std::time::UNIX_EPOCH;
 
-use rdmad_client::types::DeviceSummary;
+use rdmad_client::names::session_path;
+use rdmad_client::types::{DeviceSummary, PoolInfo, QuotaEntry, RegionInfo, SessionInfo};
 use rdmad_client::{device_path, Error};
 use zbus::message::Header;
-use zbus::zvariant::OwnedObjectPath;
+use zbus::object_server::ObjectServer;
+use zbus::zvariant::{OwnedObjectPath, OwnedValue};
 use zbus::{interface, Connection};
 
-use super::{caller, to_dbus_error};
-use crate::engine::Engine;
+use super::context::Context;
+use super::options::Options;
+use super::wire;
 use crate::policy;
 
 /// Re-reads the configuration and applies it; `Err` carries the located config error.
@@ -18,39 +21,35 @@ use crate::policy;
 pub type Reloader = Arc<dyn Fn() -> Result<(), String> + Send + Sync>;
 
 pub struct Manager {
-    engine: Arc<Engine>,
-    reloader: Reloader,
+    ctx: Arc<Context>,
 }
 
 impl Manager {
-    pub fn new(engine: Arc<Engine>, reloader: Reloader) -> Manager {
-        Manager { engine, reloader }
+    pub fn new(ctx: Arc<Context>) -> Manager {
+        Manager { ctx }
     }
-}
-
-fn object_path(path: String) -> OwnedObjectPath {
-    OwnedObjectPath::try_from(path).expect("device_path always builds a valid object path")
 }
 
 #[interface(name = "org.rdmad1.Manager")]
 impl Manager {
     /// Devices served: `(name, provider, object path)`.
     async fn list_devices(&self) -> Vec<DeviceSummary> {
-        self.engine
+        self.ctx
+            .engine
             .devices()
             .iter()
             .map(|entry| DeviceSummary {
                 name: entry.device.name().to_owned(),
                 provider: entry.device.provider().to_string(),
-                path: object_path(device_path(entry.device.name())),
+                path: wire::path(device_path(entry.device.name())),
             })
             .collect()
     }
 
     /// The object path of device `name`.
     async fn get_device(&self, name: &str) -> Result<OwnedObjectPath, Error> {
-        let entry = self.engine.device(name).map_err(to_dbus_error)?;
-        Ok(object_path(device_path(entry.device.name())))
+        let entry = self.ctx.engine.device(name)?;
+        Ok(wire::path(device_path(entry.device.name())))
     }
 
     /// Re-reads the configuration file (administrators only). An invalid file is refused
@@ -60,10 +59,119 @@ impl Manager {
         #[zbus(header)] header: Header<'_>,
         #[zbus(connection)] connection: &Connection,
     ) -> Result<(), Error> {
-        let caller = caller(connection, &header).await?;
-        policy::require_admin(&caller, &self.engine.config(), "Reload")?;
+        let caller = self.ctx.caller(connection, &header).await?;
+        policy::require_admin(&caller, &self.ctx.config(), "Reload")?;
         tracing::info!(uid = caller.uid, sender = %caller.bus_name, "reload requested over D-Bus");
-        (self.reloader)().map_err(Error::InvalidArgument)
+        (self.ctx.reloader)().map_err(Error::InvalidArgument)
+    }
+
+    /// Opens a session owned by the calling connection (no options yet). It ends with
+    /// `Session.Close` or when the connection leaves the bus.
+    async fn open_session(
+        &self,
+        options: HashMap<String, OwnedValue>,
+        #[zbus(header)] header: Header<'_>,
+        #[zbus(connection)] connection: &Connection,
+        #[zbus(object_server)] server: &ObjectServer,
+    ) -> Result<OwnedObjectPath, Error> {
+        Options::new("OpenSession", &options, &[])?;
+        let caller = self.ctx.caller(connection, &header).await?;
+        let id = self
+            .ctx
+            .engine
+            .registry
+            .open_session(&self.ctx.config(), &caller)?;
+        self.ctx.publish_session(server, id).await?;
+        tracing::info!(session = id, uid = caller.uid, sender = %caller.bus_name, pid = ?caller.pid, "session opened");
+        // The caller may have left the bus before the session existed, in which case the
+        // watcher saw nothing to close.
+        let dbus = zbus::fdo::DBusProxy::new(connection).await?;
+        let name = zbus::names::BusName::try_from(caller.bus_name.as_str())
+            .map_err(|e| Error::InvalidArgument(e.to_string()))?;
+        if !dbus.name_has_owner(name).await? {
+            self.ctx.connection_gone(server, &caller.bus_name).await;
+        }
+        Ok(wire::path(session_path(id)))
+    }
+
+    /// Sessions the caller may see: its user's, or every session for administrators.
+    async fn list_sessions(
+        &self,
+        #[zbus(header)] header: Header<'_>,
+        #[zbus(connection)] connection: &Connection,
+    ) -> Result<Vec<SessionInfo>, Error> {
+        let caller = self.ctx.caller(connection, &header).await?;
+        let sessions = self
+            .ctx
+            .engine
+            .registry
+            .sessions(&self.ctx.config(), &caller);
+        Ok(sessions.iter().map(wire::session).collect())
+    }
+
+    /// Regions the caller may see: its user's and those its user attached, or every
+    /// region for administrators.
+    async fn list_regions(
+        &self,
+        #[zbus(header)] header: Header<'_>,
+        #[zbus(connection)] connection: &Connection,
+    ) -> Result<Vec<RegionInfo>, Error> {
+        let caller = self.ctx.caller(connection, &header).await?;
+        let regions = self
+            .ctx
+            .engine
+            .registry
+            .regions(&self.ctx.config(), &caller);
+        Ok(regions.iter().map(wire::region).collect())
+    }
+
+    async fn list_pools(&self) -> Vec<PoolInfo> {
+        self.ctx
+            .engine
+            .pools()
+            .iter()
+            .map(|p| wire::pool(p))
+            .collect()
+    }
+
+    /// Limits and live use of `uid`: the caller's own, anyone's for administrators.
+    async fn get_quota(
+        &self,
+        uid: u32,
+        #[zbus(header)] header: Header<'_>,
+        #[zbus(connection)] connection: &Connection,
+    ) -> Result<Vec<QuotaEntry>, Error> {
+        let caller = self.ctx.caller(connection, &header).await?;
+        let lines = self
+            .ctx
+            .engine
+            .registry
+            .quota(&self.ctx.config(), &caller, uid)?;
+        Ok(lines
+            .into_iter()
+            .map(|l| QuotaEntry {
+                name: l.kind.key().to_owned(),
+                limit: l.limit,
+                used: l.used,
+                source: l.source,
+            })
+            .collect())
+    }
+
+    /// Revokes an access key by id: its region's owner or an administrator.
+    async fn revoke_key(
+        &self,
+        key_id: u64,
+        #[zbus(header)] header: Header<'_>,
+        #[zbus(connection)] connection: &Connection,
+    ) -> Result<(), Error> {
+        let caller = self.ctx.caller(connection, &header).await?;
+        self.ctx
+            .engine
+            .registry
+            .revoke(&self.ctx.config(), &caller, key_id)?;
+        tracing::info!(key = key_id, uid = caller.uid, "access key revoked");
+        Ok(())
     }
 
     #[zbus(property(emits_changed_signal = "const"))]
@@ -74,26 +182,60 @@ impl Manager {
     /// The configuration file in force.
     #[zbus(property(emits_changed_signal = "const"))]
     async fn config_file(&self) -> String {
-        self.engine.config_path().display().to_string()
+        self.ctx.engine.config_path().display().to_string()
     }
 
     /// When the daemon started, in microseconds since the Unix epoch.
     #[zbus(property(emits_changed_signal = "const"))]
     async fn start_timestamp(&self) -> u64 {
-        self.engine
-            .started()
-            .duration_since(UNIX_EPOCH)
-            .map_or(0, |d| u64::try_from(d.as_micros()).unwrap_or(u64::MAX))
+        wire::usec(self.ctx.engine.started())
     }
 
     #[zbus(property(emits_changed_signal = "const"), name = "NDevices")]
     async fn n_devices(&self) -> u32 {
-        u32::try_from(self.engine.devices().len()).unwrap_or(u32::MAX)
+        u32::try_from(self.ctx.engine.devices().len()).unwrap_or(u32::MAX)
     }
 
     /// Successful configuration reloads since start.
     #[zbus(property(emits_changed_signal = "false"), name = "NReloads")]
     async fn n_reloads(&self) -> u32 {
-        self.engine.reload_count()
+        self.ctx.engine.reload_count()
+    }
+
+    /// Open sessions (of all users).
+    #[zbus(property(emits_changed_signal = "false"), name = "NSessions")]
+    async fn n_sessions(&self) -> u32 {
+        u32::try_from(self.ctx.engine.registry.counts().0).unwrap_or(u32::MAX)
+    }
+
+    /// Live objects: the daemon's (`sessions`, `regions`, `keys`, `warm_regions`) and the
+    /// providers' (`pds`, `mrs`, `mws`, `cqs`, `qps`, the daemon's own PDs and warm regions
+    /// included). Tests and operators use it to see that everything is released.
+    #[zbus(property(emits_changed_signal = "false"))]
+    async fn object_counts(&self) -> HashMap<String, u64> {
+        let engine = &self.ctx.engine;
+        let (sessions, regions, keys) = engine.registry.counts();
+        let p = engine.provider_counts();
+        let warm: u64 = engine.pools().iter().map(|p| p.stats().warm_regions).sum();
+        [
+            ("sessions", sessions as u64),
+            ("regions", regions as u64),
+            ("keys", keys as u64),
+            ("warm_regions", warm),
+            ("pds", p.pds),
+            ("mrs", p.mrs),
+            ("mws", p.mws),
+            ("cqs", p.cqs),
+            ("qps", p.qps),
+        ]
+        .into_iter()
+        .map(|(k, v)| (k.to_owned(), v))
+        .collect()
+    }
+
+    /// Allocated regions (of all users).
+    #[zbus(property(emits_changed_signal = "false"), name = "NRegions")]
+    async fn n_regions(&self) -> u32 {
+        u32::try_from(self.ctx.engine.registry.counts().1).unwrap_or(u32::MAX)
     }
 }

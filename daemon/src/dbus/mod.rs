@@ -3,9 +3,15 @@
 //! engine errors become `org.rdmad1.Error.*` replies in one place (`error.rs`).
 
 mod caller;
+mod context;
 mod device;
 mod error;
 mod manager;
+mod options;
+mod pool;
+mod region;
+mod session;
+mod wire;
 
 use std::sync::Arc;
 
@@ -13,7 +19,7 @@ use rdmad_client::names::{BUS_NAME, MANAGER_PATH};
 use zbus::fdo::{ObjectManager, RequestNameFlags, RequestNameReply};
 use zbus::Connection;
 
-pub use caller::caller;
+pub use context::Context;
 pub use device::DeviceObject;
 pub use error::to_dbus_error;
 pub use manager::{Manager, Reloader};
@@ -73,15 +79,27 @@ pub async fn serve(
         },
         source,
     };
+    let ctx = Arc::new(Context {
+        engine: Arc::clone(&engine),
+        callers: caller::CallerCache::default(),
+        reloader,
+    });
     let mut builder = builder
         .map_err(connect_error)?
         .serve_at(MANAGER_PATH, ObjectManager)?
-        .serve_at(MANAGER_PATH, Manager::new(Arc::clone(&engine), reloader))?;
+        .serve_at(MANAGER_PATH, Manager::new(Arc::clone(&ctx)))?;
     for index in 0..engine.devices().len() {
         let object = DeviceObject::new(Arc::clone(&engine), index);
         builder = builder.serve_at(object.path(), object)?;
     }
+    for p in engine.pools() {
+        builder = builder.serve_at(
+            rdmad_client::names::pool_path(p.name()),
+            pool::PoolObject::new(Arc::clone(p)),
+        )?;
+    }
     let connection = builder.build().await.map_err(connect_error)?;
+    watch_departures(&connection, Arc::clone(&ctx)).await?;
 
     match connection
         .request_name_with_flags(BUS_NAME, RequestNameFlags::DoNotQueue.into())
@@ -103,6 +121,24 @@ pub async fn serve(
     }
 }
 
+/// Closes the sessions of every connection that leaves the bus (exit, crash, SIGKILL): the
+/// bus daemon announces it with `NameOwnerChanged(name, old, "")`.
+async fn watch_departures(connection: &Connection, ctx: Arc<Context>) -> Result<(), ServeError> {
+    use futures_util::StreamExt;
+    let dbus = zbus::fdo::DBusProxy::new(connection).await?;
+    let mut changes = dbus.receive_name_owner_changed().await?;
+    let server = connection.object_server().clone();
+    tokio::spawn(async move {
+        while let Some(change) = changes.next().await {
+            let Ok(args) = change.args() else { continue };
+            if args.new_owner().is_none() && args.name().starts_with(':') {
+                ctx.connection_gone(&server, args.name()).await;
+            }
+        }
+    });
+    Ok(())
+}
+
 /// Gives up the bus name, then withdraws every object so the object server lets go of the
 /// engine before it is shut down.
 pub async fn unserve(connection: Connection, engine: &Engine) {
@@ -114,6 +150,25 @@ pub async fn unserve(connection: Connection, engine: &Engine) {
     for entry in engine.devices() {
         let path = rdmad_client::device_path(entry.device.name());
         results.push(server.remove::<DeviceObject, _>(path).await);
+    }
+    for p in engine.pools() {
+        let path = rdmad_client::names::pool_path(p.name());
+        results.push(server.remove::<pool::PoolObject, _>(path).await);
+    }
+    let removed = engine.registry.close_all();
+    for id in &removed.regions {
+        results.push(
+            server
+                .remove::<region::RegionObject, _>(rdmad_client::names::region_path(*id))
+                .await,
+        );
+    }
+    for id in &removed.sessions {
+        results.push(
+            server
+                .remove::<session::SessionObject, _>(rdmad_client::names::session_path(*id))
+                .await,
+        );
     }
     results.push(server.remove::<Manager, _>(MANAGER_PATH).await);
     for result in results {

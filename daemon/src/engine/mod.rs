@@ -72,14 +72,15 @@ impl Engine {
         let mut pools = Vec::new();
         for (i, pool_config) in config.effective_pools().into_iter().enumerate() {
             let entry = match &pool_config.device {
-                Some(name) => devices.iter().find(|d| d.device.name() == name).ok_or_else(|| {
-                    ConfigError {
+                Some(name) => devices
+                    .iter()
+                    .find(|d| d.device.name() == name)
+                    .ok_or_else(|| ConfigError {
                         file: config_path.clone(),
                         line: 0,
                         key: format!("pool[{i}].device"),
                         message: format!("no device named {name:?} is served"),
-                    }
-                })?,
+                    })?,
                 None => &devices[0],
             };
             pools.push(Arc::new(Pool::new(

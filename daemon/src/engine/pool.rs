@@ -16,7 +16,9 @@ pub const REGION_ACCESS: Access = Access::LOCAL_WRITE.union(Access::MW_BIND);
 
 #[derive(Debug, thiserror::Error)]
 pub enum PoolError {
-    #[error("pool {pool:?} has no size for {size} bytes: the largest region it serves is {largest}")]
+    #[error(
+        "pool {pool:?} has no size for {size} bytes: the largest region it serves is {largest}"
+    )]
     TooLarge {
         pool: String,
         size: u64,
@@ -71,11 +73,7 @@ struct PoolState {
 
 impl PoolState {
     fn warm_bytes(&self) -> u64 {
-        self.warm
-            .iter()
-            .flatten()
-            .map(|r| r.len() as u64)
-            .sum()
+        self.warm.iter().flatten().map(|r| r.len() as u64).sum()
     }
 
     fn committed(&self) -> u64 {
@@ -352,7 +350,10 @@ mod tests {
         let (dev, pool) = pool(CLASSES);
         while pool.refill_one() {}
         let stats = pool.stats();
-        assert_eq!((stats.warm_regions, stats.warm_bytes), (3, 4096 + 65536 + 524288));
+        assert_eq!(
+            (stats.warm_regions, stats.warm_bytes),
+            (3, 4096 + 65536 + 524288)
+        );
         assert_eq!(dev.object_counts().mrs, 3);
 
         let a = pool.allocate(100).unwrap();
@@ -362,7 +363,10 @@ mod tests {
         let b = pool.allocate(100).unwrap();
         assert!(!b.warm, "the warm set had one region of that class");
         let stats = pool.stats();
-        assert_eq!((stats.used, stats.regions, stats.warm_regions), (8192, 2, 2));
+        assert_eq!(
+            (stats.used, stats.regions, stats.warm_regions),
+            (8192, 2, 2)
+        );
         assert_eq!(stats.free, (1 << 20) - 8192 - 65536 - 524288);
 
         pool.release(4096);
@@ -409,9 +413,8 @@ mod tests {
 
     #[test]
     fn granularity_pools_round_to_multiples() {
-        let (_dev, pool) = pool(
-            "[[pool]]\nname = \"g\"\ncapacity = \"64KiB\"\ngranularity = \"8KiB\"\n",
-        );
+        let (_dev, pool) =
+            pool("[[pool]]\nname = \"g\"\ncapacity = \"64KiB\"\ngranularity = \"8KiB\"\n");
         assert_eq!(pool.round(1).unwrap(), 8192);
         assert_eq!(pool.round(8193).unwrap(), 16384);
         assert!(pool.round(65537).is_err());

@@ -175,7 +175,11 @@ impl Registry {
 
     /// Live usage of `uid` (zero when it holds nothing).
     pub fn usage(&self, uid: u32) -> Usage {
-        lock(&self.state).usage.get(&uid).copied().unwrap_or_default()
+        lock(&self.state)
+            .usage
+            .get(&uid)
+            .copied()
+            .unwrap_or_default()
     }
 
     pub fn open_session(&self, config: &Config, caller: &Caller) -> Result<SessionId, EngineError> {
@@ -207,7 +211,10 @@ impl Registry {
         id: SessionId,
     ) -> Result<Removed, EngineError> {
         let mut s = lock(&self.state);
-        let session = s.sessions.get(&id).ok_or(EngineError::NoSuchObject(format!("session {id}")))?;
+        let session = s
+            .sessions
+            .get(&id)
+            .ok_or(EngineError::NoSuchObject(format!("session {id}")))?;
         if session.owner.uid != caller.uid && !policy::is_admin(caller, config) {
             return Err(not_authorized(format!(
                 "session {id} belongs to another user; only its owner or an administrator may close it"
@@ -374,7 +381,9 @@ impl Registry {
             Err(e) => {
                 unreserve(self);
                 pool.release(rounded);
-                return Err(EngineError::Io(format!("cannot duplicate the region's memfd: {e}")));
+                return Err(EngineError::Io(format!(
+                    "cannot duplicate the region's memfd: {e}"
+                )));
             }
         };
         let mut s = lock(&self.state);
@@ -424,7 +433,10 @@ impl Registry {
             .regions
             .get(&id)
             .ok_or(EngineError::NoSuchObject(format!("region {id}")))?;
-        let owner = s.sessions.get(&region.session).map(|x| x.owner.bus_name.as_str());
+        let owner = s
+            .sessions
+            .get(&region.session)
+            .map(|x| x.owner.bus_name.as_str());
         if owner != Some(caller.bus_name.as_str()) {
             return Err(not_authorized(format!(
                 "region {id} belongs to another session; only its owner may do this"
@@ -480,14 +492,21 @@ impl Registry {
                 owner_uid: caller.uid,
             },
         );
-        s.regions.get_mut(&id).expect("checked above").keys.insert(key_id);
+        s.regions
+            .get_mut(&id)
+            .expect("checked above")
+            .keys
+            .insert(key_id);
         Ok((token, key_id))
     }
 
     /// Revokes a key: its region's owner or an administrator may. Live attachments stay.
     pub fn revoke(&self, config: &Config, caller: &Caller, key: KeyId) -> Result<(), EngineError> {
         let mut s = lock(&self.state);
-        let k = s.keys.get(&key).ok_or(EngineError::NoSuchObject(format!("key {key}")))?;
+        let k = s
+            .keys
+            .get(&key)
+            .ok_or(EngineError::NoSuchObject(format!("key {key}")))?;
         let region = k.region;
         if !policy::is_admin(caller, config) {
             Self::own_region(&s, caller, region)?;
@@ -538,7 +557,11 @@ impl Registry {
         let mut s = lock(&self.state);
         Self::own_session(&mut s, caller, session)?;
         Self::purge_expired(&mut s);
-        let invalid = || not_authorized("the access key is not valid (unknown, revoked, expired, or its region was freed)");
+        let invalid = || {
+            not_authorized(
+                "the access key is not valid (unknown, revoked, expired, or its region was freed)",
+            )
+        };
         let (region_id, access) = s
             .keys
             .values()
@@ -597,8 +620,14 @@ impl Registry {
                     .get(sid)
                     .is_some_and(|x| x.owner.bus_name == caller.bus_name)
             })
-            .ok_or_else(|| not_authorized(format!("region {id} is not attached to your session")))?;
-        s.regions.get_mut(&id).expect("looked up").attached.remove(&session);
+            .ok_or_else(|| {
+                not_authorized(format!("region {id} is not attached to your session"))
+            })?;
+        s.regions
+            .get_mut(&id)
+            .expect("looked up")
+            .attached
+            .remove(&session);
         if let Some(x) = s.sessions.get_mut(&session) {
             x.attachments.remove(&id);
         }
@@ -646,7 +675,9 @@ impl Registry {
             .get(&id)
             .ok_or(EngineError::NoSuchObject(format!("session {id}")))?;
         if x.owner.uid != caller.uid && !policy::is_admin(caller, config) {
-            return Err(not_authorized(format!("session {id} belongs to another user")));
+            return Err(not_authorized(format!(
+                "session {id} belongs to another user"
+            )));
         }
         Ok(Self::session_info(id, x, &s))
     }
@@ -679,10 +710,11 @@ impl Registry {
     fn may_see_region(s: &State, r: &Region, caller: &Caller, admin: bool) -> bool {
         admin
             || r.owner_uid == caller.uid
-            || r
-                .attached
-                .keys()
-                .any(|sid| s.sessions.get(sid).is_some_and(|x| x.owner.uid == caller.uid))
+            || r.attached.keys().any(|sid| {
+                s.sessions
+                    .get(sid)
+                    .is_some_and(|x| x.owner.uid == caller.uid)
+            })
     }
 
     /// Regions the caller may see: its user's, those attached by its user, or all for an
@@ -710,14 +742,19 @@ impl Registry {
             .get(&id)
             .ok_or(EngineError::NoSuchObject(format!("region {id}")))?;
         if !Self::may_see_region(&s, r, caller, admin) {
-            return Err(not_authorized(format!("region {id} belongs to another user")));
+            return Err(not_authorized(format!(
+                "region {id} belongs to another user"
+            )));
         }
         Ok(Self::region_info(id, r, &s))
     }
 
     /// The region's registration, for the data path (same visibility as `region`).
     pub fn region_mr(&self, id: RegionId) -> Option<Arc<dyn MemoryRegion>> {
-        lock(&self.state).regions.get(&id).map(|r| Arc::clone(&r.mr))
+        lock(&self.state)
+            .regions
+            .get(&id)
+            .map(|r| Arc::clone(&r.mr))
     }
 
     /// Limits and live use of `uid`: the caller's own, or anyone's for an administrator.
@@ -758,18 +795,29 @@ fn check_pool_access(pool: &Pool, caller: &Caller) -> Result<(), EngineError> {
         return Ok(());
     }
     let user = quota::user_name(caller.uid);
-    let in_group = c.groups.iter().any(|g| match nix::unistd::Group::from_name(g) {
-        Ok(Some(group)) => caller.gids.contains(&group.gid.as_raw()),
-        _ => false,
-    });
+    let in_group = c
+        .groups
+        .iter()
+        .any(|g| match nix::unistd::Group::from_name(g) {
+            Ok(Some(group)) => caller.gids.contains(&group.gid.as_raw()),
+            _ => false,
+        });
     if c.users.contains(&user) || in_group {
         return Ok(());
     }
     Err(not_authorized(format!(
         "user {user} may not use pool {:?} (allowed users: {}; groups: {})",
         pool.name(),
-        if c.users.is_empty() { "none".into() } else { c.users.join(", ") },
-        if c.groups.is_empty() { "none".into() } else { c.groups.join(", ") },
+        if c.users.is_empty() {
+            "none".into()
+        } else {
+            c.users.join(", ")
+        },
+        if c.groups.is_empty() {
+            "none".into()
+        } else {
+            c.groups.join(", ")
+        },
     )))
 }
 
@@ -786,7 +834,9 @@ impl From<PoolError> for EngineError {
     fn from(e: PoolError) -> Self {
         match e {
             PoolError::Exhausted { .. } => EngineError::PoolExhausted(e.to_string()),
-            PoolError::TooLarge { .. } | PoolError::Empty => EngineError::InvalidArgument(e.to_string()),
+            PoolError::TooLarge { .. } | PoolError::Empty => {
+                EngineError::InvalidArgument(e.to_string())
+            }
             PoolError::Memory { .. } => EngineError::Io(e.to_string()),
             PoolError::Provider(p) => EngineError::Provider(p),
         }
@@ -830,13 +880,19 @@ mod tests {
         let alice = caller(1000, ":1.1");
         let s = engine.registry.open_session(&config, &alice).unwrap();
         let pool = Arc::clone(engine.pool("p").unwrap());
-        let h = engine.registry.allocate(&config, &alice, s, &pool, 100).unwrap();
+        let h = engine
+            .registry
+            .allocate(&config, &alice, s, &pool, 100)
+            .unwrap();
         assert_eq!(h.size, 4096);
         pwrite(&h.fd, b"from the client", 10).unwrap();
         let mr = engine.registry.region_mr(h.region).unwrap();
         let mut seen = [0u8; 15];
         mr.memory().read_at(10, &mut seen).unwrap();
-        assert_eq!(&seen, b"from the client", "the device's view is the client's bytes");
+        assert_eq!(
+            &seen, b"from the client",
+            "the device's view is the client's bytes"
+        );
         mr.memory().write_at(0, b"from the device").unwrap();
         let mut buf = [0u8; 15];
         pread(&h.fd, &mut buf, 0).unwrap();
@@ -851,21 +907,37 @@ mod tests {
         let bob = caller(1001, ":1.2");
         let sa = engine.registry.open_session(&config, &alice).unwrap();
         let sb = engine.registry.open_session(&config, &bob).unwrap();
-        let kept = engine.registry.allocate(&config, &alice, sa, &pool, 4096).unwrap();
+        let kept = engine
+            .registry
+            .allocate(&config, &alice, sa, &pool, 4096)
+            .unwrap();
         pwrite(&kept.fd, b"alice's secret", 0).unwrap();
-        let kept_inode = nix::sys::stat::fstat(std::os::fd::AsRawFd::as_raw_fd(&kept.fd)).unwrap().st_ino;
+        let kept_inode = nix::sys::stat::fstat(std::os::fd::AsRawFd::as_raw_fd(&kept.fd))
+            .unwrap()
+            .st_ino;
         engine.registry.free(&alice, kept.region).unwrap();
 
         for _ in 0..20 {
-            let h = engine.registry.allocate(&config, &bob, sb, &pool, 4096).unwrap();
-            assert_ne!(nix::sys::stat::fstat(std::os::fd::AsRawFd::as_raw_fd(&h.fd)).unwrap().st_ino, kept_inode);
+            let h = engine
+                .registry
+                .allocate(&config, &bob, sb, &pool, 4096)
+                .unwrap();
+            assert_ne!(
+                nix::sys::stat::fstat(std::os::fd::AsRawFd::as_raw_fd(&h.fd))
+                    .unwrap()
+                    .st_ino,
+                kept_inode
+            );
             let mut buf = [0xffu8; 4096];
             pread(&h.fd, &mut buf, 0).unwrap();
             assert!(buf.iter().all(|&b| b == 0), "new regions read as zero");
             pwrite(&h.fd, b"bob's data", 0).unwrap();
             let mut old = [0u8; 14];
             pread(&kept.fd, &mut old, 0).unwrap();
-            assert_eq!(&old, b"alice's secret", "the kept fd never sees the next owner");
+            assert_eq!(
+                &old, b"alice's secret",
+                "the kept fd never sees the next owner"
+            );
             engine.registry.free(&bob, h.region).unwrap();
         }
     }
@@ -881,14 +953,22 @@ mod tests {
             let handles: Vec<_> = (0..64)
                 .map(|_| {
                     let (engine, config, alice, pool) = (&engine, &config, &alice, &pool);
-                    scope.spawn(move || engine.registry.allocate(config, alice, s, pool, 4096).is_ok())
+                    scope.spawn(move || {
+                        engine
+                            .registry
+                            .allocate(config, alice, s, pool, 4096)
+                            .is_ok()
+                    })
                 })
                 .collect();
             handles.into_iter().map(|h| h.join().unwrap()).collect()
         });
         assert_eq!(results.iter().filter(|ok| **ok).count(), 10);
         assert_eq!(engine.registry.usage(1000).get(QuotaKind::Regions), 10);
-        let err = engine.registry.allocate(&config, &alice, s, &pool, 4096).unwrap_err();
+        let err = engine
+            .registry
+            .allocate(&config, &alice, s, &pool, 4096)
+            .unwrap_err();
         assert!(matches!(err, EngineError::Quota(_)), "{err}");
     }
 
@@ -904,8 +984,14 @@ mod tests {
         let mrs_before = device.object_counts().mrs;
 
         let sa = engine.registry.open_session(&config, &alice).unwrap();
-        let a = engine.registry.allocate(&config, &alice, sa, &pool, 1 << 20).unwrap();
-        engine.registry.allocate(&config, &alice, sa, &pool, 100).unwrap();
+        let a = engine
+            .registry
+            .allocate(&config, &alice, sa, &pool, 1 << 20)
+            .unwrap();
+        engine
+            .registry
+            .allocate(&config, &alice, sa, &pool, 100)
+            .unwrap();
         let (token, _) = engine
             .registry
             .share(&config, &alice, a.region, AttachMode::ReadWrite, None)
@@ -917,11 +1003,19 @@ mod tests {
         assert_eq!(removed.regions.len(), 2);
         assert_eq!((pool.stats().used, engine.registry.counts()), before);
         assert!(engine.registry.usage(1000).is_zero());
-        assert!(engine.registry.session(&config, &bob, sb).unwrap().attachments.is_empty());
+        assert!(engine
+            .registry
+            .session(&config, &bob, sb)
+            .unwrap()
+            .attachments
+            .is_empty());
         // The pool refills its warm set in the background; no region is left registered
         // beyond the warm set.
         assert!(device.object_counts().mrs <= mrs_before + 2);
-        assert!(engine.registry.attach(&bob, sb, &token).is_err(), "keys die with the region");
+        assert!(
+            engine.registry.attach(&bob, sb, &token).is_err(),
+            "keys die with the region"
+        );
     }
 
     #[test]
@@ -932,33 +1026,64 @@ mod tests {
         let bob = caller(1001, ":1.2");
         let sa = engine.registry.open_session(&config, &alice).unwrap();
         let sb = engine.registry.open_session(&config, &bob).unwrap();
-        let a = engine.registry.allocate(&config, &alice, sa, &pool, 4096).unwrap();
+        let a = engine
+            .registry
+            .allocate(&config, &alice, sa, &pool, 4096)
+            .unwrap();
         let (token, key) = engine
             .registry
             .share(&config, &alice, a.region, AttachMode::ReadOnly, None)
             .unwrap();
         let h = engine.registry.attach(&bob, sb, &token).unwrap();
         assert_eq!(h.access, AttachMode::ReadOnly);
-        let flags = nix::fcntl::fcntl(std::os::fd::AsRawFd::as_raw_fd(&h.fd), nix::fcntl::FcntlArg::F_GETFL).unwrap();
+        let flags = nix::fcntl::fcntl(
+            std::os::fd::AsRawFd::as_raw_fd(&h.fd),
+            nix::fcntl::FcntlArg::F_GETFL,
+        )
+        .unwrap();
         assert_eq!(flags & libc::O_ACCMODE, libc::O_RDONLY);
-        assert!(pwrite(&h.fd, b"x", 0).is_err(), "writes through a read-only attachment fail");
+        assert!(
+            pwrite(&h.fd, b"x", 0).is_err(),
+            "writes through a read-only attachment fail"
+        );
 
         // Bob cannot share, free or revoke what he only attached.
         assert!(matches!(
-            engine.registry.share(&config, &bob, a.region, AttachMode::ReadWrite, None),
+            engine
+                .registry
+                .share(&config, &bob, a.region, AttachMode::ReadWrite, None),
             Err(EngineError::NotAuthorized(_))
         ));
-        assert!(matches!(engine.registry.free(&bob, a.region), Err(EngineError::NotAuthorized(_))));
-        assert!(matches!(engine.registry.revoke(&config, &bob, key), Err(EngineError::NotAuthorized(_))));
+        assert!(matches!(
+            engine.registry.free(&bob, a.region),
+            Err(EngineError::NotAuthorized(_))
+        ));
+        assert!(matches!(
+            engine.registry.revoke(&config, &bob, key),
+            Err(EngineError::NotAuthorized(_))
+        ));
 
         engine.registry.revoke(&config, &alice, key).unwrap();
-        let carol_session = engine.registry.open_session(&config, &caller(1002, ":1.3")).unwrap();
+        let carol_session = engine
+            .registry
+            .open_session(&config, &caller(1002, ":1.3"))
+            .unwrap();
         assert!(matches!(
-            engine.registry.attach(&caller(1002, ":1.3"), carol_session, &token),
+            engine
+                .registry
+                .attach(&caller(1002, ":1.3"), carol_session, &token),
             Err(EngineError::NotAuthorized(_))
         ));
         // The live attachment stays after revocation.
-        assert_eq!(engine.registry.session(&config, &bob, sb).unwrap().attachments.len(), 1);
+        assert_eq!(
+            engine
+                .registry
+                .session(&config, &bob, sb)
+                .unwrap()
+                .attachments
+                .len(),
+            1
+        );
     }
 
     #[test]
@@ -969,13 +1094,29 @@ mod tests {
         let bob = caller(1001, ":1.2");
         let sa = engine.registry.open_session(&config, &alice).unwrap();
         let sb = engine.registry.open_session(&config, &bob).unwrap();
-        let a = engine.registry.allocate(&config, &alice, sa, &pool, 4096).unwrap();
+        let a = engine
+            .registry
+            .allocate(&config, &alice, sa, &pool, 4096)
+            .unwrap();
         let (token, _) = engine
             .registry
-            .share(&config, &alice, a.region, AttachMode::ReadWrite, Some(Duration::ZERO))
+            .share(
+                &config,
+                &alice,
+                a.region,
+                AttachMode::ReadWrite,
+                Some(Duration::ZERO),
+            )
             .unwrap();
-        assert!(matches!(engine.registry.attach(&bob, sb, &token), Err(EngineError::NotAuthorized(_))));
-        assert_eq!(engine.registry.usage(1000).get(QuotaKind::Keys), 0, "expired keys are purged");
+        assert!(matches!(
+            engine.registry.attach(&bob, sb, &token),
+            Err(EngineError::NotAuthorized(_))
+        ));
+        assert_eq!(
+            engine.registry.usage(1000).get(QuotaKind::Keys),
+            0,
+            "expired keys are purged"
+        );
     }
 
     #[test]
@@ -997,12 +1138,19 @@ mod tests {
             Err(EngineError::NotAuthorized(_))
         ));
         assert!(engine.registry.sessions(&config, &mallory).is_empty());
-        assert_eq!(engine.registry.sessions(&config, &caller(0, ":1.0")).len(), 1, "admins see all");
+        assert_eq!(
+            engine.registry.sessions(&config, &caller(0, ":1.0")).len(),
+            1,
+            "admins see all"
+        );
         assert!(matches!(
             engine.registry.quota(&config, &mallory, 1000),
             Err(EngineError::NotAuthorized(_))
         ));
-        engine.registry.close_session(&config, &alice_elsewhere, s).unwrap();
+        engine
+            .registry
+            .close_session(&config, &alice_elsewhere, s)
+            .unwrap();
     }
 
     #[test]
@@ -1013,7 +1161,10 @@ mod tests {
         let pool = Arc::clone(engine.pool("rootonly").unwrap());
         let nobody = caller(65534, ":1.5");
         let s = engine.registry.open_session(&config, &nobody).unwrap();
-        let err = engine.registry.allocate(&config, &nobody, s, &pool, 4096).unwrap_err();
+        let err = engine
+            .registry
+            .allocate(&config, &nobody, s, &pool, 4096)
+            .unwrap_err();
         assert_eq!(
             err.to_string(),
             "user nobody may not use pool \"rootonly\" (allowed users: root; groups: none)"
@@ -1021,6 +1172,9 @@ mod tests {
         assert!(engine.registry.usage(65534).get(QuotaKind::Regions) == 0);
         let root = caller(0, ":1.0");
         let s = engine.registry.open_session(&config, &root).unwrap();
-        engine.registry.allocate(&config, &root, s, &pool, 4096).unwrap();
+        engine
+            .registry
+            .allocate(&config, &root, s, &pool, 4096)
+            .unwrap();
     }
 }

@@ -68,7 +68,13 @@ mod tests {
 
     #[test]
     fn malformed_tokens_are_recognized() {
-        for t in ["", "rdk1_", "rdk1_xyz", &format!("rdk2_{}", "0".repeat(64)), &"0".repeat(69)] {
+        for t in [
+            "",
+            "rdk1_",
+            "rdk1_xyz",
+            &format!("rdk2_{}", "0".repeat(64)),
+            &"0".repeat(69),
+        ] {
             assert!(!well_formed(t), "{t}");
         }
     }

@@ -147,10 +147,18 @@ fn describe(kind: QuotaKind) -> &'static str {
 }
 
 /// Fails unless `requested` more of `kind` fit in `limits` on top of `usage`.
-pub fn check(limits: &Limits, usage: &Usage, kind: QuotaKind, requested: u64) -> Result<(), QuotaError> {
+pub fn check(
+    limits: &Limits,
+    usage: &Usage,
+    kind: QuotaKind,
+    requested: u64,
+) -> Result<(), QuotaError> {
     let limit = limits.get(kind);
     let used = usage.get(kind);
-    if used.checked_add(requested).is_some_and(|total| total <= limit.value) {
+    if used
+        .checked_add(requested)
+        .is_some_and(|total| total <= limit.value)
+    {
         return Ok(());
     }
     Err(QuotaError {
@@ -183,13 +191,22 @@ mod tests {
         );
         let root = limits_for(&c, 0, &[0]);
         assert_eq!(root.get(QuotaKind::Regions).value, 20);
-        assert_eq!(root.get(QuotaKind::Regions).source, "quota.user.root.regions");
+        assert_eq!(
+            root.get(QuotaKind::Regions).source,
+            "quota.user.root.regions"
+        );
         assert_eq!(root.get(QuotaKind::Keys).value, 7);
         assert_eq!(root.get(QuotaKind::Keys).source, "quota.group.root.keys");
-        assert_eq!(root.get(QuotaKind::Sessions).value, QuotaKind::Sessions.builtin());
+        assert_eq!(
+            root.get(QuotaKind::Sessions).value,
+            QuotaKind::Sessions.builtin()
+        );
         let nobody = limits_for(&c, 65534, &[65534]);
         assert_eq!(nobody.get(QuotaKind::Regions).value, 10);
-        assert_eq!(nobody.get(QuotaKind::Regions).source, "quota.default.regions");
+        assert_eq!(
+            nobody.get(QuotaKind::Regions).source,
+            "quota.default.regions"
+        );
     }
 
     #[test]

@@ -1,0 +1,128 @@
+//! `/org/rdmad1/session/<n>`, interface `org.rdmad1.Session`. Only the connection that
+//! opened a session may use it; its user (or an administrator) may look at it and close it.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use rdmad_client::names::region_path;
+use rdmad_client::types::SessionInfo;
+use rdmad_client::Error;
+use zbus::message::Header;
+use zbus::object_server::ObjectServer;
+use zbus::zvariant::{OwnedFd, OwnedObjectPath, OwnedValue};
+use zbus::{interface, Connection};
+
+use super::context::Context;
+use super::options::Options;
+use super::wire;
+use crate::engine::SessionId;
+
+pub struct SessionObject {
+    ctx: Arc<Context>,
+    id: SessionId,
+}
+
+impl SessionObject {
+    pub fn new(ctx: Arc<Context>, id: SessionId) -> SessionObject {
+        SessionObject { ctx, id }
+    }
+}
+
+#[interface(name = "org.rdmad1.Session")]
+impl SessionObject {
+    /// Ends the session: its regions are freed, its attachments end.
+    async fn close(
+        &self,
+        #[zbus(header)] header: Header<'_>,
+        #[zbus(connection)] connection: &Connection,
+        #[zbus(object_server)] server: &ObjectServer,
+    ) -> Result<(), Error> {
+        let caller = self.ctx.caller(connection, &header).await?;
+        let removed =
+            self.ctx
+                .engine
+                .registry
+                .close_session(&self.ctx.config(), &caller, self.id)?;
+        tracing::info!(
+            session = self.id,
+            uid = caller.uid,
+            regions = removed.regions.len(),
+            "session closed"
+        );
+        self.ctx.withdraw(server, &removed).await;
+        Ok(())
+    }
+
+    /// Allocates a region of at least `size` bytes from `pool`. Returns its object, a
+    /// read-write memfd to map (`MAP_SHARED`) and its size.
+    async fn allocate_region(
+        &self,
+        pool: &str,
+        size: u64,
+        options: HashMap<String, OwnedValue>,
+        #[zbus(header)] header: Header<'_>,
+        #[zbus(connection)] connection: &Connection,
+        #[zbus(object_server)] server: &ObjectServer,
+    ) -> Result<(OwnedObjectPath, OwnedFd, u64), Error> {
+        Options::new("AllocateRegion", &options, &[])?;
+        let caller = self.ctx.caller(connection, &header).await?;
+        let engine = &self.ctx.engine;
+        let pool = Arc::clone(engine.pool(pool)?);
+        let handout =
+            engine
+                .registry
+                .allocate(&self.ctx.config(), &caller, self.id, &pool, size)?;
+        self.ctx.publish_region(server, handout.region).await?;
+        tracing::debug!(
+            session = self.id,
+            region = handout.region,
+            size = handout.size,
+            "region allocated"
+        );
+        Ok((
+            wire::path(region_path(handout.region)),
+            OwnedFd::from(handout.fd),
+            handout.size,
+        ))
+    }
+
+    /// Attaches the region an access key grants. Returns its object, a memfd (opened
+    /// read-only for an `ro` key), its size and the access, `ro` or `rw`.
+    async fn attach_region(
+        &self,
+        key: &str,
+        options: HashMap<String, OwnedValue>,
+        #[zbus(header)] header: Header<'_>,
+        #[zbus(connection)] connection: &Connection,
+    ) -> Result<(OwnedObjectPath, OwnedFd, u64, String), Error> {
+        Options::new("AttachRegion", &options, &[])?;
+        let caller = self.ctx.caller(connection, &header).await?;
+        let handout = self.ctx.engine.registry.attach(&caller, self.id, key)?;
+        tracing::info!(
+            session = self.id,
+            region = handout.region,
+            access = handout.access.as_str(),
+            "region attached"
+        );
+        Ok((
+            wire::path(region_path(handout.region)),
+            OwnedFd::from(handout.fd),
+            handout.size,
+            handout.access.as_str().to_owned(),
+        ))
+    }
+
+    async fn get_info(
+        &self,
+        #[zbus(header)] header: Header<'_>,
+        #[zbus(connection)] connection: &Connection,
+    ) -> Result<SessionInfo, Error> {
+        let caller = self.ctx.caller(connection, &header).await?;
+        let info = self
+            .ctx
+            .engine
+            .registry
+            .session(&self.ctx.config(), &caller, self.id)?;
+        Ok(wire::session(&info))
+    }
+}

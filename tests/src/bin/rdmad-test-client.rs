@@ -1,0 +1,267 @@
+//! A scriptable rdmad client for the integration tests, run as any uid. It reads one
+//! command per line on stdin and answers one JSON line per command on stdout:
+//! `{"ok": …}` or `{"error": "<D-Bus error name>", "message": "…"}`.
+//!
+//! Commands (regions are numbered from 0 in the order this client got them):
+//!   open                          → session path
+//!   alloc POOL SIZE               → [region path, size]
+//!   write N OFFSET TEXT           → null          (through the client's mapping)
+//!   read N OFFSET LEN             → text
+//!   share N ro|rw [SECONDS]       → [token, key id]
+//!   attach TOKEN                  → [region path, size, access]
+//!   maprw N                       → null, or the mmap error (maps region N writable again)
+//!   reopenrw N                    → null, or the error reopening its fd read-write via /proc
+//!   free N | detach N | info N    → null | null | RegionInfo
+//!   revoke N KEY | revoke-any KEY → null
+//!   close                         → null
+//!   session-info PATH | close-session PATH | alloc-in PATH POOL SIZE
+//!   sessions | regions | pools | quota UID | reload
+//!   exit
+
+use std::io::BufRead;
+use std::os::fd::OwnedFd;
+
+use rdmad_client::proxy::{ManagerProxy, Options, RegionProxy, SessionProxy};
+use rdmad_client::{Error, RegionMapping};
+use serde_json::{json, Value};
+use zbus::zvariant::{OwnedObjectPath, Value as ZValue};
+
+struct Held {
+    path: OwnedObjectPath,
+    fd: OwnedFd,
+    size: u64,
+    mapping: Option<RegionMapping>,
+}
+
+fn error_json(e: Error) -> Value {
+    match e {
+        Error::ZBus(zbus::Error::MethodError(name, message, _)) => {
+            json!({"error": name.as_str(), "message": message.unwrap_or_default()})
+        }
+        Error::ZBus(other) => json!({"error": "transport", "message": other.to_string()}),
+        other => json!({"error": other.dbus_name(), "message": other_message(&other)}),
+    }
+}
+
+fn other_message(e: &Error) -> String {
+    match e {
+        Error::NotAuthorized(m)
+        | Error::QuotaExceeded(m)
+        | Error::NoSuchObject(m)
+        | Error::InvalidArgument(m)
+        | Error::PoolExhausted(m)
+        | Error::NotSupported(m)
+        | Error::DeviceError(m) => m.clone(),
+        Error::ZBus(z) => z.to_string(),
+    }
+}
+
+async fn region<'a>(
+    c: &zbus::Connection,
+    path: &OwnedObjectPath,
+) -> Result<RegionProxy<'a>, Error> {
+    Ok(RegionProxy::builder(c).path(path.clone())?.build().await?)
+}
+
+async fn session_proxy<'a>(c: &zbus::Connection, path: &str) -> Result<SessionProxy<'a>, Error> {
+    Ok(SessionProxy::builder(c)
+        .path(path.to_owned())?
+        .build()
+        .await?)
+}
+
+#[tokio::main(flavor = "current_thread")]
+async fn main() {
+    let address = std::env::var("RDMAD_BUS_ADDRESS").expect("RDMAD_BUS_ADDRESS");
+    let c = zbus::connection::Builder::address(address.as_str())
+        .expect("address")
+        .build()
+        .await
+        .expect("connect");
+    let manager = ManagerProxy::new(&c).await.expect("manager proxy");
+    let mut session: Option<String> = None;
+    let mut held: Vec<Held> = Vec::new();
+
+    let stdin = std::io::stdin();
+    for line in stdin.lock().lines() {
+        let line = line.expect("stdin");
+        let words: Vec<&str> = line.split_whitespace().collect();
+        let Some((&cmd, args)) = words.split_first() else {
+            continue;
+        };
+        let arg = |i: usize| args.get(i).copied().unwrap_or("");
+        let num = |i: usize| arg(i).parse::<u64>().unwrap_or(u64::MAX);
+        let result: Result<Value, Error> = async {
+            match cmd {
+                "open" => {
+                    let path = manager.open_session(Options::new()).await?;
+                    session = Some(path.to_string());
+                    Ok(json!(path.as_str()))
+                }
+                "alloc" | "alloc-in" => {
+                    let (spath, pool, size) = if cmd == "alloc" {
+                        (session.clone().unwrap_or_default(), arg(0), num(1))
+                    } else {
+                        (arg(0).to_owned(), arg(1), num(2))
+                    };
+                    let s = session_proxy(&c, &spath).await?;
+                    let (path, fd, size) = s.allocate_region(pool, size, Options::new()).await?;
+                    let fd: OwnedFd = fd.into();
+                    let mapping =
+                        RegionMapping::map(fd.try_clone().expect("dup"), size as usize, true).ok();
+                    held.push(Held {
+                        path: path.clone(),
+                        fd,
+                        size,
+                        mapping,
+                    });
+                    Ok(json!([path.as_str(), size]))
+                }
+                "attach" => {
+                    let s = session_proxy(&c, session.as_deref().unwrap_or_default()).await?;
+                    let (path, fd, size, access) = s.attach_region(arg(0), Options::new()).await?;
+                    let fd: OwnedFd = fd.into();
+                    let mapping = RegionMapping::map(
+                        fd.try_clone().expect("dup"),
+                        size as usize,
+                        access == "rw",
+                    )
+                    .ok();
+                    held.push(Held {
+                        path: path.clone(),
+                        fd,
+                        size,
+                        mapping,
+                    });
+                    Ok(json!([path.as_str(), size, access]))
+                }
+                "write" => {
+                    let h = &held[num(0) as usize];
+                    let m = h.mapping.as_ref().expect("mapped");
+                    Ok(match m.write(num(1) as usize, arg(2).as_bytes()) {
+                        Ok(()) => Value::Null,
+                        Err(e) => json!({"io_error": e.to_string()}),
+                    })
+                }
+                "read" => {
+                    let h = &held[num(0) as usize];
+                    let mut buf = vec![0u8; num(2) as usize];
+                    h.mapping
+                        .as_ref()
+                        .expect("mapped")
+                        .read(num(1) as usize, &mut buf)
+                        .expect("read");
+                    Ok(json!(String::from_utf8_lossy(&buf)))
+                }
+                "maprw" => {
+                    let h = &held[num(0) as usize];
+                    Ok(
+                        match RegionMapping::map(
+                            h.fd.try_clone().expect("dup"),
+                            h.size as usize,
+                            true,
+                        ) {
+                            Ok(_) => Value::Null,
+                            Err(e) => json!({"io_error": e.to_string()}),
+                        },
+                    )
+                }
+                "reopenrw" => {
+                    use std::os::fd::AsRawFd;
+                    let h = &held[num(0) as usize];
+                    let path = format!("/proc/self/fd/{}", h.fd.as_raw_fd());
+                    Ok(
+                        match std::fs::OpenOptions::new()
+                            .read(true)
+                            .write(true)
+                            .open(path)
+                        {
+                            Ok(_) => Value::Null,
+                            Err(e) => json!({"io_error": e.to_string()}),
+                        },
+                    )
+                }
+                "share" => {
+                    let mut options = Options::new();
+                    options.insert("access", ZValue::from(arg(1)));
+                    if !arg(2).is_empty() {
+                        options.insert("expires_in", ZValue::from(num(2)));
+                    }
+                    let (token, key) = region(&c, &held[num(0) as usize].path)
+                        .await?
+                        .share(options)
+                        .await?;
+                    Ok(json!([token, key]))
+                }
+                "free" => region(&c, &held[num(0) as usize].path)
+                    .await?
+                    .free()
+                    .await
+                    .map(|()| Value::Null),
+                "detach" => region(&c, &held[num(0) as usize].path)
+                    .await?
+                    .detach()
+                    .await
+                    .map(|()| Value::Null),
+                "info" => Ok(serde_json::to_value(
+                    region(&c, &held[num(0) as usize].path)
+                        .await?
+                        .get_info()
+                        .await?,
+                )
+                .unwrap()),
+                "revoke" => region(&c, &held[num(0) as usize].path)
+                    .await?
+                    .revoke_key(num(1))
+                    .await
+                    .map(|()| Value::Null),
+                "revoke-any" => manager.revoke_key(num(0)).await.map(|()| Value::Null),
+                "close" => session_proxy(&c, session.as_deref().unwrap_or_default())
+                    .await?
+                    .close()
+                    .await
+                    .map(|()| Value::Null),
+                "close-session" => session_proxy(&c, arg(0))
+                    .await?
+                    .close()
+                    .await
+                    .map(|()| Value::Null),
+                "session-info" => Ok(serde_json::to_value(
+                    session_proxy(&c, arg(0)).await?.get_info().await?,
+                )
+                .unwrap()),
+                "region-path" => {
+                    // Operate on a region path this client did not get itself.
+                    let p = OwnedObjectPath::try_from(arg(0).to_owned())
+                        .map_err(|e| Error::InvalidArgument(e.to_string()))?;
+                    let r = region(&c, &p).await?;
+                    match arg(1) {
+                        "free" => r.free().await.map(|()| Value::Null),
+                        "share" => r.share(Options::new()).await.map(|(t, k)| json!([t, k])),
+                        "detach" => r.detach().await.map(|()| Value::Null),
+                        "info" => r.get_info().await.map(|i| serde_json::to_value(i).unwrap()),
+                        "revoke" => r.revoke_key(num(2)).await.map(|()| Value::Null),
+                        other => Err(Error::InvalidArgument(format!(
+                            "region-path: unknown {other}"
+                        ))),
+                    }
+                }
+                "sessions" => Ok(serde_json::to_value(manager.list_sessions().await?).unwrap()),
+                "regions" => Ok(serde_json::to_value(manager.list_regions().await?).unwrap()),
+                "pools" => Ok(serde_json::to_value(manager.list_pools().await?).unwrap()),
+                "quota" => {
+                    Ok(serde_json::to_value(manager.get_quota(num(0) as u32).await?).unwrap())
+                }
+                "reload" => manager.reload().await.map(|()| Value::Null),
+                "exit" => std::process::exit(0),
+                other => Err(Error::InvalidArgument(format!("unknown command {other}"))),
+            }
+        }
+        .await;
+        let out = match result {
+            Ok(v) => json!({"ok": v}),
+            Err(e) => error_json(e),
+        };
+        println!("{out}");
+    }
+}
