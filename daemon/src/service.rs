@@ -48,7 +48,7 @@ async fn serve(args: Args, config: Config, log: LogHandle) -> anyhow::Result<()>
     let mut sigint = signal(SignalKind::interrupt()).context("cannot handle SIGINT")?;
     let mut sighup = signal(SignalKind::hangup()).context("cannot handle SIGHUP")?;
 
-    let connection = dbus::serve(
+    let served = dbus::serve(
         &Bus::parse(&args.bus),
         Arc::clone(&engine),
         Arc::clone(&reloader),
@@ -76,7 +76,7 @@ async fn serve(args: Args, config: Config, log: LogHandle) -> anyhow::Result<()>
 
     tracing::info!("stopping");
     notify(&[NotifyState::Stopping, NotifyState::Status("Stopping")]);
-    dbus::unserve(connection, &engine).await;
+    dbus::unserve(served, &engine).await;
     drop(reloader);
     match Arc::try_unwrap(engine) {
         Ok(engine) => engine.shutdown(),

@@ -61,11 +61,18 @@ pub enum ServeError {
 
 /// Connects to `bus`, serves every object, and only then requests the bus name, so a
 /// client that sees the name finds the objects.
+/// The daemon on the bus: the connection, and the task that closes the sessions of
+/// connections that leave.
+pub struct Served {
+    pub connection: Connection,
+    watcher: tokio::task::JoinHandle<()>,
+}
+
 pub async fn serve(
     bus: &Bus,
     engine: Arc<Engine>,
     reloader: Reloader,
-) -> Result<Connection, ServeError> {
+) -> Result<Served, ServeError> {
     let builder = match bus {
         Bus::System => zbus::connection::Builder::system(),
         Bus::Session => zbus::connection::Builder::session(),
@@ -99,13 +106,16 @@ pub async fn serve(
         )?;
     }
     let connection = builder.build().await.map_err(connect_error)?;
-    watch_departures(&connection, Arc::clone(&ctx)).await?;
+    let watcher = watch_departures(&connection, Arc::clone(&ctx)).await?;
 
     match connection
         .request_name_with_flags(BUS_NAME, RequestNameFlags::DoNotQueue.into())
         .await
     {
-        Ok(RequestNameReply::PrimaryOwner | RequestNameReply::AlreadyOwner) => Ok(connection),
+        Ok(RequestNameReply::PrimaryOwner | RequestNameReply::AlreadyOwner) => Ok(Served {
+            connection,
+            watcher,
+        }),
         Ok(RequestNameReply::Exists | RequestNameReply::InQueue) | Err(zbus::Error::NameTaken) => {
             Err(ServeError::NameTaken)
         }
@@ -123,25 +133,34 @@ pub async fn serve(
 
 /// Closes the sessions of every connection that leaves the bus (exit, crash, SIGKILL): the
 /// bus daemon announces it with `NameOwnerChanged(name, old, "")`.
-async fn watch_departures(connection: &Connection, ctx: Arc<Context>) -> Result<(), ServeError> {
+async fn watch_departures(
+    connection: &Connection,
+    ctx: Arc<Context>,
+) -> Result<tokio::task::JoinHandle<()>, ServeError> {
     use futures_util::StreamExt;
     let dbus = zbus::fdo::DBusProxy::new(connection).await?;
     let mut changes = dbus.receive_name_owner_changed().await?;
     let server = connection.object_server().clone();
-    tokio::spawn(async move {
+    Ok(tokio::spawn(async move {
         while let Some(change) = changes.next().await {
             let Ok(args) = change.args() else { continue };
             if args.new_owner().is_none() && args.name().starts_with(':') {
                 ctx.connection_gone(&server, args.name()).await;
             }
         }
-    });
-    Ok(())
+    }))
 }
 
 /// Gives up the bus name, then withdraws every object so the object server lets go of the
 /// engine before it is shut down.
-pub async fn unserve(connection: Connection, engine: &Engine) {
+pub async fn unserve(served: Served, engine: &Engine) {
+    let Served {
+        connection,
+        watcher,
+    } = served;
+    watcher.abort();
+    // Wait until the task (and the engine reference it holds) is gone.
+    let _ = watcher.await;
     if let Err(e) = connection.release_name(BUS_NAME).await {
         tracing::warn!("cannot release the bus name: {e}");
     }
