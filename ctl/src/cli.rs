@@ -42,6 +42,59 @@ pub enum Object {
     },
     /// Re-read the configuration file (administrators only).
     Reload,
+    /// Memory pools: capacity, use, warm regions.
+    Pool {
+        #[command(subcommand)]
+        command: Option<ShowCommand>,
+    },
+    /// Sessions: yours, or everyone's for administrators.
+    Session {
+        #[command(subcommand)]
+        command: Option<SessionCommand>,
+    },
+    /// Regions: yours and those you attached, or everyone's for administrators.
+    Region {
+        #[command(subcommand)]
+        command: Option<ShowCommand>,
+    },
+    /// Quota limits and live use of a user (default: you).
+    Quota {
+        /// User name or uid (administrators may ask about anyone).
+        user: Option<String>,
+    },
+    /// Access keys of visible regions (never the tokens).
+    Key {
+        #[command(subcommand)]
+        command: Option<KeyCommand>,
+    },
+}
+
+#[derive(Debug, Subcommand)]
+pub enum ShowCommand {
+    /// Show them all.
+    Show,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum SessionCommand {
+    /// Show visible sessions.
+    Show,
+    /// Close a session, releasing everything in it (its user or an administrator).
+    Close {
+        /// Session number, as `rdmactl session` shows it.
+        id: u64,
+    },
+}
+
+#[derive(Debug, Subcommand)]
+pub enum KeyCommand {
+    /// Show the keys of visible regions.
+    Show,
+    /// Revoke a key: no new attaches (live attachments stay). Owner or administrator.
+    Revoke {
+        /// Key number, as `rdmactl key` shows it.
+        id: u64,
+    },
 }
 
 #[derive(Debug, Subcommand)]

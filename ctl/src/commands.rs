@@ -3,12 +3,13 @@
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use anyhow::anyhow;
-use rdmad_client::proxy::{DeviceProxy, ManagerProxy};
+use rdmad_client::names::{object_id, session_path};
+use rdmad_client::proxy::{DeviceProxy, ManagerProxy, SessionProxy};
 use rdmad_client::{Error, BUS_NAME};
 use serde_json::{json, Value};
 use zbus::Connection;
 
-use crate::cli::{Cli, DevCommand, Object};
+use crate::cli::{Cli, DevCommand, KeyCommand, Object, SessionCommand};
 use crate::output::Printer;
 
 pub async fn run(cli: &Cli) -> anyhow::Result<()> {
@@ -29,6 +30,22 @@ pub async fn run(cli: &Cli) -> anyhow::Result<()> {
             devices(&connection, name).await.map(|v| printer.print(&v))
         }
         Object::Reload => reload(&connection).await,
+        Object::Pool { .. } => pools(&connection).await.map(|v| printer.print(&v)),
+        Object::Session { command } => match command {
+            None | Some(SessionCommand::Show) => {
+                sessions(&connection).await.map(|v| printer.print(&v))
+            }
+            Some(SessionCommand::Close { id }) => close_session(&connection, *id).await,
+        },
+        Object::Region { .. } => regions(&connection).await.map(|v| printer.print(&v)),
+        Object::Quota { user } => match resolve_user(user.as_deref()) {
+            Ok(uid) => quota(&connection, uid).await.map(|v| printer.print(&v)),
+            Err(e) => return Err(e),
+        },
+        Object::Key { command } => match command {
+            None | Some(KeyCommand::Show) => keys(&connection).await.map(|v| printer.print(&v)),
+            Some(KeyCommand::Revoke { id }) => revoke_key(&connection, *id).await,
+        },
     };
     result.map_err(|e| explain(e, &cli.bus))
 }
@@ -112,4 +129,144 @@ async fn reload(connection: &Connection) -> Result<(), Error> {
     manager(connection).await?.reload().await?;
     println!("configuration reloaded");
     Ok(())
+}
+
+async fn pools(connection: &Connection) -> Result<Value, Error> {
+    let pools = manager(connection).await?.list_pools().await?;
+    Ok(Value::Array(
+        pools
+            .into_iter()
+            .map(|p| {
+                json!({
+                    "pool": p.name,
+                    "device": p.device,
+                    "capacity": p.capacity,
+                    "used": p.used,
+                    "free": p.free,
+                    "regions": p.regions,
+                    "warm_regions": p.warm_regions,
+                    "warm_bytes": p.warm_bytes,
+                    "size_classes": p.size_classes,
+                    "granularity": p.granularity,
+                    "hugepages": p.hugepages,
+                })
+            })
+            .collect(),
+    ))
+}
+
+async fn sessions(connection: &Connection) -> Result<Value, Error> {
+    let sessions = manager(connection).await?.list_sessions().await?;
+    Ok(Value::Array(
+        sessions
+            .into_iter()
+            .map(|s| {
+                json!({
+                    "session": s.id,
+                    "user": s.user,
+                    "uid": s.uid,
+                    "pid": s.pid,
+                    "bus_name": s.bus_name,
+                    "regions": s.regions,
+                    "attachments": s.attachments,
+                    "registered_bytes": s.registered_bytes,
+                    "created_usec": s.created_usec,
+                })
+            })
+            .collect(),
+    ))
+}
+
+async fn close_session(connection: &Connection, id: u64) -> Result<(), Error> {
+    let session = SessionProxy::builder(connection)
+        .path(session_path(id))?
+        .build()
+        .await?;
+    session.close().await.map_err(|e| match e {
+        Error::ZBus(zbus::Error::MethodError(name, _, _))
+            if name.as_str() == "org.freedesktop.DBus.Error.UnknownObject" =>
+        {
+            Error::NoSuchObject(format!("there is no session {id}"))
+        }
+        other => other,
+    })?;
+    println!("session {id} closed");
+    Ok(())
+}
+
+async fn regions(connection: &Connection) -> Result<Value, Error> {
+    let regions = manager(connection).await?.list_regions().await?;
+    Ok(Value::Array(
+        regions
+            .into_iter()
+            .map(|r| {
+                json!({
+                    "region": r.id,
+                    "session": object_id(r.session.as_str()),
+                    "owner_uid": r.owner_uid,
+                    "pool": r.pool,
+                    "device": r.device,
+                    "size": r.size,
+                    "requested": r.requested,
+                    "attachments": r.attachments,
+                    "keys": r.keys.len(),
+                })
+            })
+            .collect(),
+    ))
+}
+
+async fn keys(connection: &Connection) -> Result<Value, Error> {
+    let regions = manager(connection).await?.list_regions().await?;
+    Ok(Value::Array(
+        regions
+            .into_iter()
+            .flat_map(|r| r.keys)
+            .map(|k| {
+                json!({
+                    "key": k.id,
+                    "region": k.region,
+                    "access": k.access,
+                    "expires_usec": k.expires_usec,
+                })
+            })
+            .collect(),
+    ))
+}
+
+async fn revoke_key(connection: &Connection, id: u64) -> Result<(), Error> {
+    manager(connection).await?.revoke_key(id).await?;
+    println!("key {id} revoked");
+    Ok(())
+}
+
+async fn quota(connection: &Connection, uid: u32) -> Result<Value, Error> {
+    let entries = manager(connection).await?.get_quota(uid).await?;
+    Ok(Value::Array(
+        entries
+            .into_iter()
+            .map(|q| {
+                json!({
+                    "quota": q.name,
+                    "limit": q.limit,
+                    "used": q.used,
+                    "source": q.source,
+                })
+            })
+            .collect(),
+    ))
+}
+
+/// A user name or uid; none means the caller.
+fn resolve_user(user: Option<&str>) -> anyhow::Result<u32> {
+    let Some(user) = user else {
+        return Ok(nix::unistd::getuid().as_raw());
+    };
+    if let Ok(uid) = user.parse::<u32>() {
+        return Ok(uid);
+    }
+    match nix::unistd::User::from_name(user) {
+        Ok(Some(u)) => Ok(u.uid.as_raw()),
+        _ => Err(anyhow!("there is no user named {user:?}")),
+    }
 }

@@ -384,3 +384,104 @@ async fn authorization_matrix() {
     owner.err("info 0", "org.freedesktop.DBus.Error.UnknownObject");
     let _: Value = admin.ok("regions");
 }
+
+/// `rdmactl pool|session|region|quota|key`, text and JSON, as the user and as root.
+#[tokio::test(flavor = "multi_thread")]
+async fn rdmactl_shows_and_controls_sessions_regions_and_keys() {
+    use rdmad_tests::daemon::{rdmactl, rdmactl_ok};
+    let (bus, _d) = daemon(&format!("{COLD}[quota.default]\nregions = 7\n")).await;
+    let mut alice = Client::start(&bus, Some(NOBODY));
+    let session = alice.ok("open");
+    let session_id: u64 = session
+        .as_str()
+        .unwrap()
+        .rsplit('/')
+        .next()
+        .unwrap()
+        .parse()
+        .unwrap();
+    alice.ok("alloc cold 5000");
+    let key = alice.ok("share 0 ro")[1].as_u64().unwrap();
+
+    let json = |uid, args: &[&str]| -> Value {
+        let mut full = vec!["-j"];
+        full.extend_from_slice(args);
+        serde_json::from_str(&rdmactl_ok(&bus, uid, &full)).unwrap()
+    };
+    let pools = json(Some(NOBODY), &["pool"]);
+    assert_eq!(pools[0]["pool"], "cold");
+    assert_eq!(pools[0]["used"], 65536);
+    let text = rdmactl_ok(&bus, Some(NOBODY), &["pool", "show"]);
+    assert!(
+        text.starts_with("pool cold device loopback0 capacity 67108864 used 65536 "),
+        "{text}"
+    );
+
+    for uid in [Some(NOBODY), None] {
+        let sessions = json(uid, &["session"]);
+        assert_eq!(sessions[0]["session"], session_id);
+        assert_eq!(sessions[0]["user"], "nobody");
+        assert_eq!(sessions[0]["registered_bytes"], 65536);
+        let regions = json(uid, &["region"]);
+        assert_eq!(
+            (
+                regions[0]["size"].as_u64(),
+                regions[0]["requested"].as_u64()
+            ),
+            (Some(65536), Some(5000))
+        );
+        assert_eq!(json(uid, &["key"])[0]["key"], key);
+    }
+    assert!(
+        json(Some(1), &["session"]).as_array().unwrap().is_empty(),
+        "other users see nothing"
+    );
+
+    let quota = json(Some(NOBODY), &["quota"]);
+    let regions = quota
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|q| q["quota"] == "regions")
+        .unwrap();
+    assert_eq!(
+        (regions["limit"].as_u64(), regions["used"].as_u64()),
+        (Some(7), Some(1))
+    );
+    assert_eq!(
+        json(None, &["quota", "nobody"]),
+        quota,
+        "root may read anyone's quota"
+    );
+    let refused = rdmactl(&bus, Some(1), &["quota", "nobody"]);
+    assert_eq!(refused.status.code(), Some(1));
+    assert_eq!(
+        String::from_utf8_lossy(&refused.stderr),
+        "rdmactl: only administrators may read another user's quota\n"
+    );
+
+    let refused = rdmactl(&bus, Some(1), &["key", "revoke", &key.to_string()]);
+    assert_eq!(refused.status.code(), Some(1));
+    assert_eq!(
+        rdmactl_ok(&bus, None, &["key", "revoke", &key.to_string()]),
+        format!("key {key} revoked\n")
+    );
+    assert!(json(None, &["key"]).as_array().unwrap().is_empty());
+
+    let refused = rdmactl(
+        &bus,
+        Some(1),
+        &["session", "close", &session_id.to_string()],
+    );
+    assert!(String::from_utf8_lossy(&refused.stderr).contains("belongs to another user"));
+    assert_eq!(
+        rdmactl_ok(&bus, None, &["session", "close", &session_id.to_string()]),
+        format!("session {session_id} closed\n")
+    );
+    assert!(json(None, &["session"]).as_array().unwrap().is_empty());
+    let missing = rdmactl(&bus, None, &["session", "close", "999"]);
+    assert_eq!(
+        String::from_utf8_lossy(&missing.stderr),
+        "rdmactl: there is no session 999\n"
+    );
+}
