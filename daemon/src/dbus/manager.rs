@@ -82,7 +82,7 @@ impl Manager {
             .registry
             .open_session(&self.ctx.config(), &caller)?;
         self.ctx.publish_session(server, id).await?;
-        tracing::info!(session = id, uid = caller.uid, sender = %caller.bus_name, pid = ?caller.pid, "session opened");
+        tracing::info!(session = id, uid = caller.uid, sender = %caller.bus_name, pid = caller.pid.unwrap_or(0), "session opened");
         // The caller may have left the bus before the session existed, in which case the
         // watcher saw nothing to close.
         let dbus = zbus::fdo::DBusProxy::new(connection).await?;

@@ -219,13 +219,25 @@ fn us(d: Duration) -> String {
     let us = d.as_secs_f64() * 1e6;
     if us >= 1000.0 {
         format!("{us:.0}")
-    } else {
+    } else if us >= 10.0 {
         format!("{us:.1}")
+    } else {
+        format!("{us:.2}")
     }
 }
 
 fn cell(s: Stats) -> String {
     format!("{} ({})", us(s.median), us(s.p90))
+}
+
+/// A ratio with three significant digits.
+fn ratio(x: f64) -> String {
+    if x >= 100.0 || x == 0.0 {
+        format!("{x:.0}")
+    } else {
+        let decimals = (2 - x.log10().floor() as i32).max(0) as usize;
+        format!("{x:.decimals$}")
+    }
 }
 
 /// One size's samples.
@@ -466,12 +478,12 @@ async fn run() -> Result<()> {
             String::new()
         };
         println!(
-            "| {} | {} | {} |{cold} {} | {:.2} |",
+            "| {} | {} | {} |{cold} {} | {} |",
             size_name(s.size),
             s.iterations,
             cell(warm),
             cell(raw),
-            raw.median.as_secs_f64() / warm.median.as_secs_f64()
+            ratio(raw.median.as_secs_f64() / warm.median.as_secs_f64())
         );
     }
     println!();
