@@ -33,11 +33,17 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
             let mapping = RegionMapping::map(OwnedFd::from(fd), size as usize, true)?;
             let message = format!("hello from pid {} through rdmad", std::process::id());
             mapping.write(0, message.as_bytes())?;
-            let region = RegionProxy::builder(&connection).path(path.clone())?.build().await?;
+            let region = RegionProxy::builder(&connection)
+                .path(path.clone())?
+                .build()
+                .await?;
             let mut options = Options::new();
             options.insert("access", Value::from("ro"));
             let (key, _) = region.share(options).await?;
-            eprintln!("owner: region {} ({size} bytes) holds {message:?}", path.as_str());
+            eprintln!(
+                "owner: region {} ({size} bytes) holds {message:?}",
+                path.as_str()
+            );
             println!("{key}");
             // Hold the session (and so the region) until told to stop.
             let _ = std::io::stdin().read_to_end(&mut Vec::new());
@@ -53,7 +59,11 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
             let mut buf = vec![0u8; 64];
             mapping.read(0, &mut buf)?;
             let text = String::from_utf8_lossy(&buf);
-            println!("reader: attached {} ({access}): {:?}", path.as_str(), text.trim_end_matches('\0'));
+            println!(
+                "reader: attached {} ({access}): {:?}",
+                path.as_str(),
+                text.trim_end_matches('\0')
+            );
             println!(
                 "reader: mapping it writable: {}",
                 match writable {

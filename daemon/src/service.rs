@@ -61,8 +61,18 @@ async fn serve(args: Args, config: Config, log: LogHandle) -> anyhow::Result<()>
     let watchdog = watchdog_interval();
     let mut watchdog_tick = tokio::time::interval(watchdog.unwrap_or(Duration::from_secs(3600)));
 
+    // STATUS= follows the live counts, sent when they change.
+    let mut status_tick = tokio::time::interval(Duration::from_secs(2));
+    let mut last_status = status;
     loop {
         tokio::select! {
+            _ = status_tick.tick() => {
+                let status = engine.status_line();
+                if status != last_status {
+                    notify(&[NotifyState::Status(&status)]);
+                    last_status = status;
+                }
+            }
             _ = sigterm.recv() => break,
             _ = sigint.recv() => break,
             _ = sighup.recv() => {

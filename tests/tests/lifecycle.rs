@@ -198,3 +198,29 @@ async fn policy_refuses_the_name_to_other_users() {
         "{stderr}"
     );
 }
+
+/// STATUS= follows the live counts.
+#[tokio::test]
+async fn status_follows_sessions_and_regions() {
+    let bus = PrivateBus::start();
+    let mut daemon = Daemon::spawn(&bus, with_notify());
+    daemon.notify.as_mut().unwrap().wait_for("READY=1").await;
+    let connection = bus.connect().await;
+    let manager = ManagerProxy::new(&connection).await.unwrap();
+    let session = manager.open_session(Default::default()).await.unwrap();
+    rdmad_client::proxy::SessionProxy::builder(&connection)
+        .path(session)
+        .unwrap()
+        .build()
+        .await
+        .unwrap()
+        .allocate_region("default", 4096, Default::default())
+        .await
+        .unwrap();
+    daemon
+        .notify
+        .as_mut()
+        .unwrap()
+        .wait_for("STATUS=Serving 1 device: loopback0 (loopback); 1 session, 1 region")
+        .await;
+}

@@ -172,6 +172,9 @@ impl Engine {
         if new.devices != slot.devices {
             needs_restart.push("[[device]]".to_owned());
         }
+        if new.effective_pools() != slot.effective_pools() {
+            needs_restart.push("[[pool]]".to_owned());
+        }
         *slot = Arc::clone(&new);
         self.reloads.fetch_add(1, Ordering::Relaxed);
         Ok((new, needs_restart))
