@@ -244,6 +244,9 @@ struct LoopbackMr {
 }
 
 impl MemoryRegion for LoopbackMr {
+    fn as_any(&self) -> &dyn std::any::Any {
+        self
+    }
     fn lkey(&self) -> u32 {
         self.key
     }

@@ -17,6 +17,7 @@ pub mod loopback;
 pub mod types;
 pub mod verbs;
 
+use std::any::Any;
 use std::fmt;
 use std::sync::Arc;
 
@@ -167,19 +168,34 @@ pub trait MemoryRegion: Send + Sync + fmt::Debug {
     fn is_empty(&self) -> bool {
         self.len() == 0
     }
+    /// For the provider that made it, to reach its own type (e.g. to bind a window).
+    fn as_any(&self) -> &dyn Any;
 }
 
-/// A memory window; bound and invalidated with work requests on a QP.
+/// A memory window. A type-2 window is bound with a `SendOp::BindMw` work request on a QP
+/// (and is then usable only through connections of that QP), and invalidated with
+/// `SendOp::LocalInvalidate` on the same QP. Invalidate (or drop) windows before their QP:
+/// rxe blocks for about 50 s destroying a QP with a valid type-2 window.
 pub trait MemoryWindow: Send + Sync + fmt::Debug {
     fn kind(&self) -> MwType;
-    /// The rkey of the current binding (changes with every bind).
+    /// The rkey of the current (or next) binding; it changes with every bind.
     fn rkey(&self) -> u32;
+    fn as_any(&self) -> &dyn Any;
 }
 
-/// A completion queue.
+/// A completion queue with a completion channel, so an idle worker can sleep until it has
+/// work: `arm`, then wait for `event_fd` to be readable, then `acknowledge_events` and
+/// `poll`.
 pub trait CompletionQueue: Send + Sync + fmt::Debug {
-    /// Moves up to `max` completions into `out`; returns how many.
+    /// Moves up to `max` completions into `out` (appending); returns how many.
     fn poll(&self, out: &mut Vec<WorkCompletion>, max: usize) -> Result<usize>;
+    /// Requests an event on `event_fd` for the next completion (`ibv_req_notify_cq`).
+    fn arm(&self) -> Result<()>;
+    /// A non-blocking descriptor that becomes readable when an armed CQ gets a completion.
+    fn event_fd(&self) -> std::os::fd::RawFd;
+    /// Consumes and acknowledges pending events (never blocks); returns how many.
+    fn acknowledge_events(&self) -> Result<u32>;
+    fn as_any(&self) -> &dyn Any;
 }
 
 /// A reliable-connected queue pair.
@@ -192,8 +208,12 @@ pub trait QueuePair: Send + Sync + fmt::Debug {
     fn to_rtr(&self, remote: &RemoteEndpoint, attrs: &RtrAttributes) -> Result<()>;
     /// RTR → RTS.
     fn to_rts(&self, attrs: &RtsAttributes) -> Result<()>;
-    /// Posts a batch of send-queue work requests.
+    /// Any state → ERROR: outstanding work requests complete with `WrFlushError`.
+    fn to_error(&self) -> Result<()>;
+    /// Posts a batch of send-queue work requests. On a refusal (e.g. queue full) none
+    /// after the first refused one is posted; the error says how many were.
     fn post_send(&self, wrs: &[SendWr]) -> Result<()>;
     /// Posts a batch of receive work requests.
     fn post_recv(&self, wrs: &[RecvWr]) -> Result<()>;
+    fn as_any(&self) -> &dyn Any;
 }

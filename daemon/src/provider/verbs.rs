@@ -586,6 +586,9 @@ unsafe impl Send for VerbsMr {}
 unsafe impl Sync for VerbsMr {}
 
 impl MemoryRegion for VerbsMr {
+    fn as_any(&self) -> &dyn std::any::Any {
+        self
+    }
     fn lkey(&self) -> u32 {
         self.lkey
     }
@@ -631,6 +634,9 @@ unsafe impl Send for VerbsMw {}
 unsafe impl Sync for VerbsMw {}
 
 impl MemoryWindow for VerbsMw {
+    fn as_any(&self) -> &dyn std::any::Any {
+        self
+    }
     fn kind(&self) -> MwType {
         self.kind
     }
