@@ -208,7 +208,14 @@ impl Submission {
     pub fn encode(&self) -> [u8; SQE_SIZE] {
         let mut b = [0u8; SQE_SIZE];
         b[0] = self.opcode.code();
-        b[1] = u8::from(self.signaled) * FLAG_SIGNALED | u8::from(self.imm.is_some()) * FLAG_IMM;
+        let mut flags = 0;
+        if self.signaled {
+            flags |= FLAG_SIGNALED;
+        }
+        if self.imm.is_some() {
+            flags |= FLAG_IMM;
+        }
+        b[1] = flags;
         b[2] = u8::try_from(self.sges.len()).unwrap_or(u8::MAX);
         b[4..8].copy_from_slice(&self.imm.unwrap_or(0).to_le_bytes());
         b[8..16].copy_from_slice(&self.wr_id.to_le_bytes());
