@@ -2,6 +2,7 @@
 //! sessions, regions and queue pairs as they arrive. No zbus types here; the D-Bus layer
 //! calls in, the providers are called out to.
 
+pub mod datapath;
 mod devices;
 pub mod pool;
 pub mod registry;

@@ -1,0 +1,228 @@
+//! Turning a client's submission into a work request the device may run. The entry has
+//! already been copied out of shared memory and decoded; here every local SGE is checked
+//! against the regions the session may use — owned or attached read-write for anything the
+//! device writes, read-only attachments only as a source — and translated to
+//! `(daemon address, lkey)`.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use rdmad_client::ring::{Opcode, Status, Submission};
+
+use crate::engine::RegionId;
+use crate::provider::{MemoryRegion, RecvWr, SendOp, SendWr, Sge};
+
+/// A region as a session may use it on the data path.
+#[derive(Debug, Clone)]
+pub struct RegionRight {
+    pub mr: Arc<dyn MemoryRegion>,
+    /// Owned, or attached read-write.
+    pub writable: bool,
+}
+
+/// What a session's QPs may touch, by region id.
+pub type RegionRights = HashMap<RegionId, RegionRight>;
+
+/// A checked request, with the registrations it uses: they stay alive until it completes.
+#[derive(Debug)]
+pub struct Checked {
+    pub work: Work,
+    pub pins: Vec<Arc<dyn MemoryRegion>>,
+}
+
+#[derive(Debug)]
+pub enum Work {
+    Send(SendWr),
+    Recv(RecvWr),
+}
+
+/// Why a request was refused: the completion status and a detail code (the SGE index for
+/// region errors).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Refusal {
+    pub status: Status,
+    pub detail: u32,
+}
+
+/// Checks and translates `s`. `wr_id` is the daemon's own id for the request (the client's
+/// stays in the daemon's bookkeeping).
+pub fn check(s: &Submission, rights: &RegionRights, wr_id: u64) -> Result<Checked, Refusal> {
+    let device_writes = matches!(
+        s.opcode,
+        Opcode::Read | Opcode::FetchAdd | Opcode::CompareSwap | Opcode::Recv
+    );
+    let mut sges = Vec::with_capacity(s.sges.len());
+    let mut pins: Vec<Arc<dyn MemoryRegion>> = Vec::with_capacity(s.sges.len());
+    for (i, sge) in s.sges.iter().enumerate() {
+        let denied = Refusal {
+            status: Status::RegionAccessDenied,
+            detail: i as u32,
+        };
+        let right = rights.get(&sge.region).ok_or(denied)?;
+        if device_writes && !right.writable {
+            return Err(denied);
+        }
+        let end = sge
+            .offset
+            .checked_add(u64::from(sge.length))
+            .ok_or(denied)?;
+        if end > right.mr.len() as u64 {
+            return Err(denied);
+        }
+        sges.push(Sge {
+            addr: right.mr.addr() + sge.offset,
+            length: sge.length,
+            lkey: right.mr.lkey(),
+        });
+        pins.push(Arc::clone(&right.mr));
+    }
+    let op = match s.opcode {
+        Opcode::Recv => {
+            return Ok(Checked {
+                work: Work::Recv(RecvWr { wr_id, sges }),
+                pins,
+            })
+        }
+        Opcode::Send => SendOp::Send { imm: s.imm },
+        Opcode::Write => SendOp::Write {
+            remote_addr: s.remote_addr,
+            rkey: s.rkey,
+            imm: s.imm,
+        },
+        Opcode::Read => SendOp::Read {
+            remote_addr: s.remote_addr,
+            rkey: s.rkey,
+        },
+        Opcode::FetchAdd => SendOp::FetchAdd {
+            remote_addr: s.remote_addr,
+            rkey: s.rkey,
+            add: s.compare_add,
+        },
+        Opcode::CompareSwap => SendOp::CompareSwap {
+            remote_addr: s.remote_addr,
+            rkey: s.rkey,
+            compare: s.compare_add,
+            swap: s.swap,
+        },
+    };
+    Ok(Checked {
+        // Every request is signaled to the device: the daemon must see each one complete
+        // to release what it pins; the client's `signaled` only decides whether the
+        // client hears of it.
+        work: Work::Send(SendWr {
+            wr_id,
+            op,
+            sges,
+            signaled: true,
+        }),
+        pins,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::memory::SharedMemory;
+    use crate::provider::loopback::LoopbackDevice;
+    use crate::provider::{Access, Device};
+    use rdmad_client::ring::RegionSge;
+
+    fn rights() -> (RegionRights, Vec<Arc<dyn MemoryRegion>>) {
+        let dev = LoopbackDevice::new("lo-validate");
+        let pd = dev.alloc_pd().unwrap();
+        let mut rights = RegionRights::new();
+        let mut mrs = Vec::new();
+        for (id, writable) in [(1, true), (2, false)] {
+            let mem = Arc::new(SharedMemory::create(c"v", 8192).unwrap());
+            let mr = pd.register(mem, Access::LOCAL_WRITE).unwrap();
+            mrs.push(Arc::clone(&mr));
+            rights.insert(id, RegionRight { mr, writable });
+        }
+        (rights, mrs)
+    }
+
+    fn sub(opcode: Opcode, sges: &[(u64, u64, u32)]) -> Submission {
+        Submission {
+            opcode,
+            wr_id: 5,
+            signaled: false,
+            imm: None,
+            remote_addr: 0x1000,
+            rkey: 9,
+            compare_add: 1,
+            swap: 2,
+            sges: sges
+                .iter()
+                .map(|&(region, offset, length)| RegionSge {
+                    region,
+                    offset,
+                    length,
+                })
+                .collect(),
+        }
+    }
+
+    #[test]
+    fn sges_translate_to_the_daemon_mapping_and_pin_their_region() {
+        let (rights, mrs) = rights();
+        let c = check(
+            &sub(Opcode::Send, &[(1, 100, 8), (2, 8000, 192)]),
+            &rights,
+            42,
+        )
+        .unwrap();
+        let Work::Send(wr) = c.work else { panic!() };
+        assert_eq!(wr.wr_id, 42);
+        assert!(wr.signaled, "the daemon always asks for completions");
+        assert_eq!(
+            wr.sges[0],
+            Sge {
+                addr: mrs[0].addr() + 100,
+                length: 8,
+                lkey: mrs[0].lkey()
+            }
+        );
+        assert_eq!(wr.sges[1].lkey, mrs[1].lkey());
+        assert_eq!(c.pins.len(), 2);
+    }
+
+    #[test]
+    fn foreign_stale_or_out_of_bounds_regions_are_refused() {
+        let (rights, _mrs) = rights();
+        let denied = |detail| {
+            Err(Refusal {
+                status: Status::RegionAccessDenied,
+                detail,
+            })
+        };
+        for (s, detail) in [
+            (sub(Opcode::Send, &[(1, 0, 8), (77, 0, 8)]), 1),
+            (sub(Opcode::Send, &[(1, 8185, 8)]), 0),
+            (sub(Opcode::Send, &[(1, u64::MAX, 8)]), 0),
+            (sub(Opcode::Write, &[(1, 4096, 4097)]), 0),
+        ] {
+            assert_eq!(check(&s, &rights, 1).map(|_| ()), denied(detail), "{s:?}");
+        }
+    }
+
+    #[test]
+    fn read_only_attachments_are_only_sources() {
+        let (rights, _mrs) = rights();
+        assert!(check(&sub(Opcode::Send, &[(2, 0, 8)]), &rights, 1).is_ok());
+        assert!(check(&sub(Opcode::Write, &[(2, 0, 8)]), &rights, 1).is_ok());
+        for op in [
+            Opcode::Recv,
+            Opcode::Read,
+            Opcode::FetchAdd,
+            Opcode::CompareSwap,
+        ] {
+            let r = check(&sub(op, &[(2, 0, 8)]), &rights, 1);
+            assert_eq!(
+                r.map(|_| ()).unwrap_err().status,
+                Status::RegionAccessDenied,
+                "{op:?}"
+            );
+            assert!(check(&sub(op, &[(1, 0, 8)]), &rights, 1).is_ok(), "{op:?}");
+        }
+    }
+}
