@@ -411,7 +411,7 @@ mod bodies {
             .unwrap()
             .iter()
             .any(|s| s["uid"] == NOBODY && s["regions"] == 1));
-        assert_eq!(admin.ok("quota 65534").as_array().unwrap().len(), 4);
+        assert_eq!(admin.ok("quota 65534").as_array().unwrap().len(), 5);
         admin.ok(&format!("close-session {session}"));
         owner.err("info 0", "org.freedesktop.DBus.Error.UnknownObject");
         let _: Value = admin.ok("regions");

@@ -33,6 +33,8 @@ pub struct QuotaLimits {
     pub registered_bytes: Option<ByteSize>,
     /// Live access keys.
     pub keys: Option<u64>,
+    /// Queue pairs.
+    pub qps: Option<u64>,
 }
 
 /// The limits a resource kind has, in the order they are reported.
@@ -42,14 +44,16 @@ pub enum QuotaKind {
     Regions,
     RegisteredBytes,
     Keys,
+    Qps,
 }
 
 impl QuotaKind {
-    pub const ALL: [QuotaKind; 4] = [
+    pub const ALL: [QuotaKind; 5] = [
         QuotaKind::Sessions,
         QuotaKind::Regions,
         QuotaKind::RegisteredBytes,
         QuotaKind::Keys,
+        QuotaKind::Qps,
     ];
 
     /// The key in a quota table.
@@ -59,6 +63,7 @@ impl QuotaKind {
             QuotaKind::Regions => "regions",
             QuotaKind::RegisteredBytes => "registered_bytes",
             QuotaKind::Keys => "keys",
+            QuotaKind::Qps => "qps",
         }
     }
 
@@ -69,6 +74,7 @@ impl QuotaKind {
             QuotaKind::Regions => 4096,
             QuotaKind::RegisteredBytes => 4 << 30,
             QuotaKind::Keys => 4096,
+            QuotaKind::Qps => 256,
         }
     }
 
@@ -88,6 +94,7 @@ impl QuotaLimits {
             QuotaKind::Regions => self.regions,
             QuotaKind::RegisteredBytes => self.registered_bytes.map(|b| b.0),
             QuotaKind::Keys => self.keys,
+            QuotaKind::Qps => self.qps,
         }
     }
 

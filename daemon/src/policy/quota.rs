@@ -27,7 +27,7 @@ impl Limits {
 /// Live use of one user.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct Usage {
-    counts: [u64; 4],
+    counts: [u64; QuotaKind::ALL.len()],
 }
 
 impl Usage {
@@ -143,6 +143,7 @@ fn describe(kind: QuotaKind) -> &'static str {
         QuotaKind::Regions => "regions",
         QuotaKind::RegisteredBytes => "registered bytes",
         QuotaKind::Keys => "access keys",
+        QuotaKind::Qps => "queue pairs",
     }
 }
 
