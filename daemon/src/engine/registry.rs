@@ -749,6 +749,31 @@ impl Registry {
         Ok(Self::region_info(id, r, &s))
     }
 
+    /// What the session's QPs may touch: its own regions read-write, attached regions as
+    /// their key allowed.
+    pub fn session_rights(
+        &self,
+        session: SessionId,
+    ) -> Option<super::datapath::validate::RegionRights> {
+        use super::datapath::validate::RegionRight;
+        let s = lock(&self.state);
+        let x = s.sessions.get(&session)?;
+        let owned = x.regions.iter().map(|id| (*id, true));
+        let attached = x
+            .attachments
+            .iter()
+            .map(|(id, mode)| (*id, *mode == AttachMode::ReadWrite));
+        Some(
+            owned
+                .chain(attached)
+                .filter_map(|(id, writable)| {
+                    let mr = Arc::clone(&s.regions.get(&id)?.mr);
+                    Some((id, RegionRight { mr, writable }))
+                })
+                .collect(),
+        )
+    }
+
     /// The region's registration, for the data path (same visibility as `region`).
     pub fn region_mr(&self, id: RegionId) -> Option<Arc<dyn MemoryRegion>> {
         lock(&self.state)
@@ -1098,7 +1123,10 @@ mod tests {
                     .attach(&caller(1002, ":1.3"), carol_session, &token),
                 Err(EngineError::NotAuthorized(_))
             ));
-            // The live attachment stays after revocation.
+            let rights = engine.registry.session_rights(sb).unwrap();
+        assert!(!rights[&a.region].writable, "a read-only attachment is only a source");
+        assert!(engine.registry.session_rights(sa).unwrap()[&a.region].writable);
+        // The live attachment stays after revocation.
             assert_eq!(
                 engine
                     .registry
