@@ -51,6 +51,21 @@ impl Error {
         }
     }
 
+    /// The human-readable message: rdmad's own text, or the transport's.
+    pub fn message(&self) -> String {
+        match self {
+            Error::NotAuthorized(m)
+            | Error::QuotaExceeded(m)
+            | Error::NoSuchObject(m)
+            | Error::InvalidArgument(m)
+            | Error::PoolExhausted(m)
+            | Error::NotSupported(m)
+            | Error::DeviceError(m) => m.clone(),
+            Error::ZBus(zbus::Error::MethodError(_, Some(m), _)) => m.clone(),
+            Error::ZBus(other) => other.to_string(),
+        }
+    }
+
     /// True when the failure means nobody owns `org.rdmad1` (the daemon is not running and
     /// could not be activated).
     pub fn is_daemon_absent(&self) -> bool {

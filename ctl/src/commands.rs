@@ -55,17 +55,10 @@ fn explain(e: Error, bus: &str) -> anyhow::Error {
     if e.is_daemon_absent() {
         return anyhow!("rdmad is not running (nothing owns {BUS_NAME} on the {bus} bus)");
     }
-    match e {
+    match &e {
         Error::ZBus(zbus::Error::MethodError(name, Some(msg), _)) => anyhow!("{msg} ({name})"),
-        Error::ZBus(other) => anyhow!("{other}"),
         // rdmad's own errors carry a message written for people.
-        Error::NotAuthorized(m)
-        | Error::QuotaExceeded(m)
-        | Error::NoSuchObject(m)
-        | Error::InvalidArgument(m)
-        | Error::PoolExhausted(m)
-        | Error::NotSupported(m)
-        | Error::DeviceError(m) => anyhow!("{m}"),
+        _ => anyhow!("{}", e.message()),
     }
 }
 

@@ -228,30 +228,22 @@ impl Registry {
 
     /// Closes every session of a bus connection that left the bus.
     pub fn close_sessions_of(&self, bus_name: &str) -> Removed {
-        let mut s = lock(&self.state);
-        let ids: Vec<SessionId> = s
-            .sessions
-            .iter()
-            .filter(|(_, session)| session.owner.bus_name == bus_name)
-            .map(|(id, _)| *id)
-            .collect();
-        let mut all = Removed::default();
-        let mut garbage = Garbage(Vec::new());
-        for id in ids {
-            let (removed, g) = Self::remove_session(&mut s, id);
-            all.sessions.extend(removed.sessions);
-            all.regions.extend(removed.regions);
-            garbage.0.extend(g.0);
-        }
-        drop(s);
-        garbage.release();
-        all
+        self.close_where(|session| session.owner.bus_name == bus_name)
     }
 
     /// Closes everything (shutdown).
     pub fn close_all(&self) -> Removed {
+        self.close_where(|_| true)
+    }
+
+    fn close_where(&self, pick: impl Fn(&Session) -> bool) -> Removed {
         let mut s = lock(&self.state);
-        let ids: Vec<SessionId> = s.sessions.keys().copied().collect();
+        let ids: Vec<SessionId> = s
+            .sessions
+            .iter()
+            .filter(|(_, session)| pick(session))
+            .map(|(id, _)| *id)
+            .collect();
         let mut all = Removed::default();
         let mut garbage = Garbage(Vec::new());
         for id in ids {
@@ -1124,9 +1116,12 @@ mod tests {
                 Err(EngineError::NotAuthorized(_))
             ));
             let rights = engine.registry.session_rights(sb).unwrap();
-        assert!(!rights[&a.region].writable, "a read-only attachment is only a source");
-        assert!(engine.registry.session_rights(sa).unwrap()[&a.region].writable);
-        // The live attachment stays after revocation.
+            assert!(
+                !rights[&a.region].writable,
+                "a read-only attachment is only a source"
+            );
+            assert!(engine.registry.session_rights(sa).unwrap()[&a.region].writable);
+            // The live attachment stays after revocation.
             assert_eq!(
                 engine
                     .registry

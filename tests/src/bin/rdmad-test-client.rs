@@ -39,20 +39,7 @@ fn error_json(e: Error) -> Value {
             json!({"error": name.as_str(), "message": message.unwrap_or_default()})
         }
         Error::ZBus(other) => json!({"error": "transport", "message": other.to_string()}),
-        other => json!({"error": other.dbus_name(), "message": other_message(&other)}),
-    }
-}
-
-fn other_message(e: &Error) -> String {
-    match e {
-        Error::NotAuthorized(m)
-        | Error::QuotaExceeded(m)
-        | Error::NoSuchObject(m)
-        | Error::InvalidArgument(m)
-        | Error::PoolExhausted(m)
-        | Error::NotSupported(m)
-        | Error::DeviceError(m) => m.clone(),
-        Error::ZBus(z) => z.to_string(),
+        other => json!({"error": other.dbus_name(), "message": other.message()}),
     }
 }
 
