@@ -12,6 +12,8 @@
 
 #[cfg(test)]
 pub(crate) mod conformance;
+#[cfg(test)]
+pub(crate) mod conformance_data;
 pub mod counters;
 pub mod loopback;
 pub mod types;

@@ -5,6 +5,9 @@
 //! registration or window holds its PD's inner `Arc`. Whatever order the engine drops handles
 //! in, children are destroyed before their parents and the device is closed last.
 //!
+//! Data path: [`cq`] (completion queues with a completion channel each) and [`qp`] (RC queue
+//! pairs, posting, window binding). A QP holds its CQs and PD; a CQ holds the context.
+//!
 //! Thread safety: libibverbs guarantees that all verbs may be called concurrently from any
 //! thread on the same objects ("libibverbs is thread safe", `ibv_open_device(3)` and the
 //! rdma-core documentation); the pointers below are only ever passed to verbs, and each is
@@ -26,11 +29,14 @@ use rdma_sys::{
     ibv_port_attr, ibv_port_state, ibv_query_device, ibv_query_gid, ibv_reg_mr,
 };
 
+mod cq;
+mod qp;
+
 use super::counters::{Counters, Tracked};
 use super::{
-    mtu_bytes, Access, AtomicSupport, Device, DeviceAttributes, GidEntry, GidType, LinkLayer,
-    MemoryRegion, MemoryWindow, MwType, ObjectCounts, ObjectKind, PortAttributes, PortState,
-    ProtectionDomain, ProviderError, ProviderKind, Result,
+    mtu_bytes, Access, AtomicSupport, CompletionQueue, Device, DeviceAttributes, GidEntry, GidType,
+    LinkLayer, MemoryRegion, MemoryWindow, MwType, ObjectCounts, ObjectKind, PortAttributes,
+    PortState, ProtectionDomain, ProviderError, ProviderKind, QpInit, QueuePair, Result,
 };
 use crate::memory::SharedMemory;
 
@@ -562,6 +568,14 @@ impl ProtectionDomain for VerbsPd {
         }))
     }
 
+    fn create_cq(&self, depth: u32) -> Result<Arc<dyn CompletionQueue>> {
+        cq::create(&self.0.context, depth)
+    }
+
+    fn create_qp(&self, init: QpInit) -> Result<Arc<dyn QueuePair>> {
+        qp::create(&self.0, init)
+    }
+
     fn device_name(&self) -> &str {
         &self.0.context.name
     }
@@ -621,7 +635,8 @@ impl Drop for VerbsMr {
 struct VerbsMw {
     mw: NonNull<ibv_mw>,
     kind: MwType,
-    /// The rkey of the current binding; the QP code that binds the window updates it.
+    /// The rkey of the current binding; `qp::post_send` updates it (and the `ibv_mw`'s)
+    /// when it posts a bind.
     rkey: AtomicU32,
     _tracked: Tracked,
     pd: Arc<PdInner>,
