@@ -32,6 +32,7 @@ use rdmad_client::proxy::{ManagerProxy, Options, PoolProxy, RegionProxy, Session
 use rdmad_tests::bus::PrivateBus;
 use rdmad_tests::daemon::{Daemon, DaemonOptions};
 use zbus::proxy::CacheProperties;
+use zbus::zvariant::{OwnedFd, OwnedObjectPath};
 
 type Result<T, E = Box<dyn Error>> = std::result::Result<T, E>;
 
@@ -250,6 +251,8 @@ struct Series {
     warm_free: Vec<Duration>,
     /// From the end of Free until the warm count was back (polled, untimed).
     refill_wait: Vec<Duration>,
+    /// Free + close with the warm set refilled before the Free (no refill running).
+    settled_free: Vec<Duration>,
     cold: Vec<Duration>,
     raw: Vec<Duration>,
 }
@@ -281,14 +284,27 @@ impl Bench<'_> {
         }
     }
 
-    /// One AllocateRegion + Free + close of the fd; returns (allocate, free + close).
-    async fn alloc_free(&self, pool: &str, size: u64) -> Result<(Duration, Duration)> {
+    /// `AllocateRegion`: the region's path, its memfd and how long the call took.
+    async fn allocate(
+        &self,
+        pool: &str,
+        size: u64,
+    ) -> Result<(OwnedObjectPath, OwnedFd, Duration)> {
         let start = Instant::now();
         let (path, fd, got) = self
             .session
             .allocate_region(pool, size, Options::new())
             .await?;
-        let allocated = Instant::now();
+        let took = start.elapsed();
+        if got != size {
+            return Err(format!("asked for {size} bytes, got a region of {got}").into());
+        }
+        Ok((path, fd, took))
+    }
+
+    /// `Region.Free`, then closing the memfd: how long both took.
+    async fn free(&self, path: OwnedObjectPath, fd: OwnedFd) -> Result<Duration> {
+        let start = Instant::now();
         let region = RegionProxy::builder(&self.connection)
             .path(path)?
             .cache_properties(CacheProperties::No)
@@ -296,11 +312,14 @@ impl Bench<'_> {
             .await?;
         region.free().await?;
         drop(fd);
-        let freed = Instant::now();
-        if got != size {
-            return Err(format!("asked for {size} bytes, got a region of {got}").into());
-        }
-        Ok((allocated - start, freed - allocated))
+        Ok(start.elapsed())
+    }
+
+    /// One AllocateRegion + Free + close of the fd; returns (allocate, free + close).
+    async fn alloc_free(&self, pool: &str, size: u64) -> Result<(Duration, Duration)> {
+        let (path, fd, alloc) = self.allocate(pool, size).await?;
+        let free = self.free(path, fd).await?;
+        Ok((alloc, free))
     }
 }
 
@@ -335,7 +354,11 @@ fn machine() -> String {
         .unwrap_or_else(|| "unknown CPU".into());
     let kernel = std::fs::read_to_string("/proc/sys/kernel/osrelease")
         .map_or_else(|_| "unknown".into(), |s| s.trim().to_owned());
-    format!("{cpus} CPUs ({model}), kernel {kernel}")
+    let load = std::fs::read_to_string("/proc/loadavg").map_or_else(
+        |_| "unknown".into(),
+        |s| s.split_whitespace().take(3).collect::<Vec<_>>().join(" "),
+    );
+    format!("{cpus} CPUs ({model}), kernel {kernel}, load average {load}")
 }
 
 #[tokio::main(flavor = "current_thread")]
@@ -420,6 +443,7 @@ async fn run() -> Result<()> {
             warm_alloc: Vec::new(),
             warm_free: Vec::new(),
             refill_wait: Vec::new(),
+            settled_free: Vec::new(),
             cold: Vec::new(),
             raw: Vec::new(),
         };
@@ -433,6 +457,17 @@ async fn run() -> Result<()> {
                 series.warm_alloc.push(alloc);
                 series.warm_free.push(free);
                 series.refill_wait.push(wait);
+            }
+        }
+        // The same, but Free only once the replacement region is made: what Free costs
+        // without the refill thread registering at the same time.
+        for i in 0..WARMUP + n {
+            bench.wait_full().await?;
+            let (path, fd, _) = bench.allocate(WARM_POOL, size).await?;
+            bench.wait_full().await?;
+            let free = bench.free(path, fd).await?;
+            if i >= WARMUP {
+                series.settled_free.push(free);
             }
         }
         if args.cold {
@@ -487,18 +522,20 @@ async fn run() -> Result<()> {
         );
     }
     println!();
-    println!("rdmad warm, split (µs, median (p90)); refill = untimed wait after Free until");
-    println!("the warm set was full again (polled every {POLL:?}):");
+    println!("rdmad warm, split (µs, median (p90)). refill: untimed wait after Free until the");
+    println!("warm set was full again (polled every {POLL:?}, each poll a Get). settled: a");
+    println!("separate series that waits for the refill between AllocateRegion and Free:");
     println!();
-    println!("| size | AllocateRegion | Free + close | refill |");
-    println!("|---|---:|---:|---:|");
+    println!("| size | AllocateRegion | Free + close | refill wait | Free + close, settled |");
+    println!("|---|---:|---:|---:|---:|");
     for s in &results {
         println!(
-            "| {} | {} | {} | {} |",
+            "| {} | {} | {} | {} | {} |",
             size_name(s.size),
             cell(stats(&s.warm_alloc)),
             cell(stats(&s.warm_free)),
-            cell(stats(&s.refill_wait))
+            cell(stats(&s.refill_wait)),
+            cell(stats(&s.settled_free))
         );
     }
     Ok(())
