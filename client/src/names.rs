@@ -13,12 +13,15 @@ pub const POOL_PATH_PREFIX: &str = "/org/rdmad1/pool";
 pub const SESSION_PATH_PREFIX: &str = "/org/rdmad1/session";
 /// Parent of the region objects (numbered, never reused).
 pub const REGION_PATH_PREFIX: &str = "/org/rdmad1/region";
+/// Parent of the queue-pair objects (numbered, never reused).
+pub const QP_PATH_PREFIX: &str = "/org/rdmad1/qp";
 
 pub const MANAGER_INTERFACE: &str = "org.rdmad1.Manager";
 pub const DEVICE_INTERFACE: &str = "org.rdmad1.Device";
 pub const POOL_INTERFACE: &str = "org.rdmad1.Pool";
 pub const SESSION_INTERFACE: &str = "org.rdmad1.Session";
 pub const REGION_INTERFACE: &str = "org.rdmad1.Region";
+pub const QUEUE_PAIR_INTERFACE: &str = "org.rdmad1.QueuePair";
 
 /// Environment variable naming the bus address clients use instead of the system bus.
 pub const BUS_ADDRESS_ENV: &str = "RDMAD_BUS_ADDRESS";
@@ -41,6 +44,10 @@ pub fn session_path(id: u64) -> String {
 
 pub fn region_path(id: u64) -> String {
     format!("{REGION_PATH_PREFIX}/{id}")
+}
+
+pub fn qp_path(id: u64) -> String {
+    format!("{QP_PATH_PREFIX}/{id}")
 }
 
 /// The number at the end of a session or region path.

@@ -8,7 +8,8 @@ use zbus::zvariant::{OwnedFd, OwnedObjectPath, Value};
 
 use crate::error::Error;
 use crate::types::{
-    Capabilities, DeviceSummary, GidEntry, PoolInfo, PortInfo, QuotaEntry, RegionInfo, SessionInfo,
+    Capabilities, DeviceSummary, Endpoint, GidEntry, PoolInfo, PortInfo, QueuePairInfo, QuotaEntry,
+    RegionInfo, RingInfo, SessionInfo,
 };
 
 /// `options a{sv}` of the mutating methods.
@@ -35,6 +36,8 @@ pub trait Manager {
     /// Regions the caller may see (its user's and those it attached; all for administrators).
     fn list_regions(&self) -> Result<Vec<RegionInfo>, Error>;
     fn list_pools(&self) -> Result<Vec<PoolInfo>, Error>;
+    /// Queue pairs the caller may see (its user's; all for administrators).
+    fn list_queue_pairs(&self) -> Result<Vec<QueuePairInfo>, Error>;
     /// Limits and live use of `uid` (the caller's own; anyone's for administrators).
     fn get_quota(&self, uid: u32) -> Result<Vec<QuotaEntry>, Error>;
     /// Revokes an access key (its region's owner or an administrator).
@@ -104,7 +107,24 @@ pub trait Session {
         key: &str,
         options: Options<'_>,
     ) -> Result<(OwnedObjectPath, OwnedFd, u64, String), Error>;
+    /// Creates an RC queue pair on `device`: its object, the ring memfd, the doorbell and
+    /// completion eventfds, and the ring's size and depths.
+    fn create_queue_pair(
+        &self,
+        device: &str,
+        options: Options<'_>,
+    ) -> Result<(OwnedObjectPath, OwnedFd, OwnedFd, OwnedFd, RingInfo), Error>;
     fn get_info(&self) -> Result<SessionInfo, Error>;
+}
+
+#[proxy(interface = "org.rdmad1.QueuePair", default_service = "org.rdmad1")]
+pub trait QueuePair {
+    /// What a peer needs to connect to this queue pair.
+    fn endpoint(&self) -> Result<Endpoint, Error>;
+    /// Connects to a peer's endpoint.
+    fn connect(&self, remote: &Endpoint, options: Options<'_>) -> Result<(), Error>;
+    fn destroy(&self) -> Result<(), Error>;
+    fn get_info(&self) -> Result<QueuePairInfo, Error>;
 }
 
 #[proxy(interface = "org.rdmad1.Region", default_service = "org.rdmad1")]

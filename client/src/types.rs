@@ -139,3 +139,45 @@ pub struct QuotaEntry {
     /// The configuration key that sets the limit.
     pub source: String,
 }
+
+/// What a peer needs to connect to a queue pair (`QueuePair.Endpoint`), and what
+/// `QueuePair.Connect` takes.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, Type, Value, OwnedValue)]
+pub struct Endpoint {
+    /// The GID in IPv6 notation (RoCE v2 IPv4-mapped where there is one).
+    pub gid: String,
+    pub gid_index: u32,
+    pub qp_num: u32,
+    /// Starting packet sequence number (24 bits).
+    pub psn: u32,
+    /// Active path MTU in bytes.
+    pub mtu: u32,
+    /// Local identifier (InfiniBand; 0 on RoCE).
+    pub lid: u16,
+}
+
+/// A queue pair, as `Manager.ListQueuePairs` and `QueuePair.GetInfo` show it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, Type, Value, OwnedValue)]
+pub struct QueuePairInfo {
+    pub id: u64,
+    pub path: OwnedObjectPath,
+    pub session: OwnedObjectPath,
+    pub owner_uid: u32,
+    pub device: String,
+    /// `reset`, `init`, `rtr`, `rts`, `sqd`, `sqe` or `error`.
+    pub state: String,
+    pub qp_num: u32,
+    pub send_depth: u32,
+    pub recv_depth: u32,
+    /// The peer's `gid/qpn`, empty until connected.
+    pub peer: String,
+}
+
+/// What `Session.CreateQueuePair` returns besides the object and the descriptors.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Type, Value, OwnedValue)]
+pub struct RingInfo {
+    /// Bytes of the ring memfd.
+    pub size: u64,
+    pub sq_entries: u32,
+    pub cq_entries: u32,
+}

@@ -10,21 +10,7 @@ use rdmad_tests::daemon::{Daemon, DaemonOptions};
 use rdmad_tests::NOBODY;
 use serde_json::Value;
 
-/// One body, two tests: `NAME` on loopback, `rxe_NAME` on rxe0 (VM tier).
-macro_rules! on_both_providers {
-    ($($name:ident / $rxe:ident),* $(,)?) => {$(
-        #[tokio::test(flavor = "multi_thread")]
-        async fn $name() {
-            bodies::$name("loopback").await
-        }
-        #[tokio::test(flavor = "multi_thread")]
-        async fn $rxe() {
-            bodies::$name("verbs").await
-        }
-    )*};
-}
-
-on_both_providers!(
+rdmad_tests::on_both_providers!(
     allocate_map_write_read_free / rxe_allocate_map_write_read_free,
     kept_descriptor_never_sees_the_next_owner / rxe_kept_descriptor_never_sees_the_next_owner,
     read_only_and_read_write_attachments / rxe_read_only_and_read_write_attachments,

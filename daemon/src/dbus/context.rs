@@ -3,7 +3,7 @@
 
 use std::sync::Arc;
 
-use rdmad_client::names::{region_path, session_path};
+use rdmad_client::names::{qp_path, region_path, session_path};
 use rdmad_client::Error;
 use zbus::message::Header;
 use zbus::object_server::ObjectServer;
@@ -11,6 +11,7 @@ use zbus::Connection;
 
 use super::caller::CallerCache;
 use super::manager::Reloader;
+use super::queue_pair::QueuePairObject;
 use super::region::RegionObject;
 use super::session::SessionObject;
 use crate::config::Config;
@@ -54,8 +55,18 @@ impl Context {
         server.at(region_path(id), object).await.map(drop)
     }
 
+    pub async fn publish_qp(self: &Arc<Self>, server: &ObjectServer, id: u64) -> zbus::Result<()> {
+        let object = QueuePairObject::new(Arc::clone(self), id);
+        server.at(qp_path(id), object).await.map(drop)
+    }
+
     /// Withdraws the objects of what the engine removed.
     pub async fn withdraw(&self, server: &ObjectServer, removed: &Removed) {
+        for id in &removed.qps {
+            if let Err(e) = server.remove::<QueuePairObject, _>(qp_path(*id)).await {
+                tracing::warn!(qp = id, "cannot withdraw the queue pair object: {e}");
+            }
+        }
         for id in &removed.regions {
             if let Err(e) = server.remove::<RegionObject, _>(region_path(*id)).await {
                 tracing::warn!(region = id, "cannot withdraw the region object: {e}");

@@ -4,7 +4,9 @@ use std::collections::HashMap;
 use std::sync::Arc;
 
 use rdmad_client::names::session_path;
-use rdmad_client::types::{DeviceSummary, PoolInfo, QuotaEntry, RegionInfo, SessionInfo};
+use rdmad_client::types::{
+    DeviceSummary, PoolInfo, QueuePairInfo, QuotaEntry, RegionInfo, SessionInfo,
+};
 use rdmad_client::{device_path, Error};
 use zbus::message::Header;
 use zbus::object_server::ObjectServer;
@@ -125,6 +127,20 @@ impl Manager {
         Ok(regions.iter().map(wire::region).collect())
     }
 
+    /// Queue pairs the caller may see: its user's, or all for administrators.
+    async fn list_queue_pairs(
+        &self,
+        #[zbus(header)] header: Header<'_>,
+        #[zbus(connection)] connection: &Connection,
+    ) -> Result<Vec<QueuePairInfo>, Error> {
+        let caller = self.ctx.caller(connection, &header).await?;
+        let qps = self.ctx.engine.registry.qps(&self.ctx.config(), &caller);
+        Ok(qps
+            .iter()
+            .map(|(id, q)| super::queue_pair::info(*id, q))
+            .collect())
+    }
+
     async fn list_pools(&self) -> Vec<PoolInfo> {
         self.ctx
             .engine
@@ -221,6 +237,7 @@ impl Manager {
             ("sessions", sessions as u64),
             ("regions", regions as u64),
             ("keys", keys as u64),
+            ("queue_pairs", engine.registry.qp_count() as u64),
             ("warm_regions", warm),
             ("pds", p.pds),
             ("mrs", p.mrs),

@@ -9,6 +9,7 @@ mod error;
 mod manager;
 mod options;
 mod pool;
+mod queue_pair;
 mod region;
 mod session;
 mod wire;

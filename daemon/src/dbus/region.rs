@@ -40,8 +40,8 @@ impl RegionObject {
         let caller = self.ctx.caller(connection, &header).await?;
         self.ctx.engine.registry.free(&caller, self.id)?;
         let removed = Removed {
-            sessions: Vec::new(),
             regions: vec![self.id],
+            ..Removed::default()
         };
         self.ctx.withdraw(server, &removed).await;
         Ok(())

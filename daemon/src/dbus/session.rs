@@ -5,7 +5,7 @@ use std::collections::HashMap;
 use std::sync::Arc;
 
 use rdmad_client::names::region_path;
-use rdmad_client::types::SessionInfo;
+use rdmad_client::types::{RingInfo, SessionInfo};
 use rdmad_client::Error;
 use zbus::message::Header;
 use zbus::object_server::ObjectServer;
@@ -15,6 +15,7 @@ use zbus::{interface, Connection};
 use super::context::Context;
 use super::options::Options;
 use super::wire;
+use crate::engine::qp::QpOptions;
 use crate::engine::SessionId;
 
 pub struct SessionObject {
@@ -109,6 +110,76 @@ impl SessionObject {
             OwnedFd::from(handout.fd),
             handout.size,
             handout.access.as_str().to_owned(),
+        ))
+    }
+
+    /// Creates an RC queue pair (and its CQ) on `device`. Options (`u`): `send_depth`,
+    /// `recv_depth` (default 128), `max_sge` (default 4). Returns its object, the ring memfd
+    /// (map it shared, read-write), the doorbell eventfd (write it after submitting when
+    /// the ring asks for a wake-up), the completion eventfd (readable when completions
+    /// arrive), and the ring's size and depths.
+    async fn create_queue_pair(
+        &self,
+        device: &str,
+        options: HashMap<String, OwnedValue>,
+        #[zbus(header)] header: Header<'_>,
+        #[zbus(connection)] connection: &Connection,
+        #[zbus(object_server)] server: &ObjectServer,
+    ) -> Result<(OwnedObjectPath, OwnedFd, OwnedFd, OwnedFd, RingInfo), Error> {
+        let opts = Options::new(
+            "CreateQueuePair",
+            &options,
+            &["send_depth", "recv_depth", "max_sge", "max_inline"],
+        )?;
+        let mut qp_options = QpOptions::default();
+        let narrow = |key: &str, value: u64| {
+            u32::try_from(value).map_err(|_| {
+                Error::InvalidArgument(format!("CreateQueuePair: {key} {value} is too large"))
+            })
+        };
+        for (key, slot) in [
+            ("send_depth", &mut qp_options.send_depth),
+            ("recv_depth", &mut qp_options.recv_depth),
+            ("max_sge", &mut qp_options.max_sge),
+            ("max_inline", &mut qp_options.max_inline),
+        ] {
+            if let Some(v) = opts.unsigned(key)? {
+                *slot = narrow(key, v)?;
+            }
+        }
+        let caller = self.ctx.caller(connection, &header).await?;
+        let engine = &self.ctx.engine;
+        let entry = engine.device(device)?;
+        let (id, q) =
+            engine
+                .registry
+                .create_qp(&self.ctx.config(), &caller, self.id, entry, qp_options)?;
+        let dup = |fd: std::os::fd::BorrowedFd<'_>| {
+            fd.try_clone_to_owned()
+                .map(OwnedFd::from)
+                .map_err(|e| Error::DeviceError(format!("cannot hand out the queue pair: {e}")))
+        };
+        let ring = dup(q.ring.fd())?;
+        let doorbell = dup(std::os::fd::AsFd::as_fd(&q.doorbell))?;
+        let completion = dup(std::os::fd::AsFd::as_fd(&q.completion_event))?;
+        self.ctx.publish_qp(server, id).await?;
+        tracing::info!(
+            session = self.id,
+            qp = id,
+            qpn = q.local.qp_num,
+            device,
+            "queue pair created"
+        );
+        Ok((
+            wire::path(rdmad_client::names::qp_path(id)),
+            ring,
+            doorbell,
+            completion,
+            RingInfo {
+                size: q.ring.len() as u64,
+                sq_entries: q.layout.sq_entries,
+                cq_entries: q.layout.cq_entries,
+            },
         ))
     }
 

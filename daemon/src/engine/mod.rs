@@ -5,6 +5,7 @@
 pub mod datapath;
 mod devices;
 pub mod pool;
+pub mod qp;
 pub mod registry;
 
 use std::path::PathBuf;

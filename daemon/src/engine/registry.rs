@@ -8,6 +8,8 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime};
 
 use super::pool::{Pool, PoolError};
+use super::qp::{self, QpId, QpOptions, QueuePairRecord};
+use super::DeviceEntry;
 use super::EngineError;
 use crate::config::{Config, QuotaKind};
 use crate::lock::lock;
@@ -50,6 +52,7 @@ struct Session {
     created: SystemTime,
     regions: BTreeSet<RegionId>,
     attachments: BTreeMap<RegionId, AttachMode>,
+    qps: BTreeSet<QpId>,
 }
 
 #[derive(Debug)]
@@ -83,10 +86,12 @@ struct State {
     sessions: BTreeMap<SessionId, Session>,
     regions: BTreeMap<RegionId, Region>,
     keys: BTreeMap<KeyId, Key>,
+    qps: BTreeMap<QpId, Arc<QueuePairRecord>>,
     usage: HashMap<u32, Usage>,
     last_session: SessionId,
     last_region: RegionId,
     last_key: KeyId,
+    last_qp: QpId,
 }
 
 /// What a teardown removed, so the D-Bus layer can withdraw the objects.
@@ -94,14 +99,34 @@ struct State {
 pub struct Removed {
     pub sessions: Vec<SessionId>,
     pub regions: Vec<RegionId>,
+    pub qps: Vec<QpId>,
 }
 
-/// Registered memory released outside the lock (deregistration can be slow).
-struct Garbage(Vec<Arc<dyn MemoryRegion>>);
+impl Removed {
+    fn extend(&mut self, other: Removed) {
+        self.sessions.extend(other.sessions);
+        self.regions.extend(other.regions);
+        self.qps.extend(other.qps);
+    }
+}
+
+/// Device objects released outside the lock (destruction can be slow): queue pairs (with
+/// their windows) before the registrations they may have used.
+#[derive(Default)]
+struct Garbage {
+    qps: Vec<Arc<QueuePairRecord>>,
+    mrs: Vec<Arc<dyn MemoryRegion>>,
+}
 
 impl Garbage {
+    fn extend(&mut self, other: Garbage) {
+        self.qps.extend(other.qps);
+        self.mrs.extend(other.mrs);
+    }
+
     fn release(self) {
-        drop(self.0);
+        drop(self.qps);
+        drop(self.mrs);
     }
 }
 
@@ -173,6 +198,10 @@ impl Registry {
         (s.sessions.len(), s.regions.len(), s.keys.len())
     }
 
+    pub fn qp_count(&self) -> usize {
+        lock(&self.state).qps.len()
+    }
+
     /// Live usage of `uid` (zero when it holds nothing).
     pub fn usage(&self, uid: u32) -> Usage {
         lock(&self.state)
@@ -197,6 +226,7 @@ impl Registry {
                 created: SystemTime::now(),
                 regions: BTreeSet::new(),
                 attachments: BTreeMap::new(),
+                qps: BTreeSet::new(),
             },
         );
         Ok(id)
@@ -245,12 +275,11 @@ impl Registry {
             .map(|(id, _)| *id)
             .collect();
         let mut all = Removed::default();
-        let mut garbage = Garbage(Vec::new());
+        let mut garbage = Garbage::default();
         for id in ids {
             let (removed, g) = Self::remove_session(&mut s, id);
-            all.sessions.extend(removed.sessions);
-            all.regions.extend(removed.regions);
-            garbage.0.extend(g.0);
+            all.extend(removed);
+            garbage.extend(g);
         }
         drop(s);
         garbage.release();
@@ -259,11 +288,20 @@ impl Registry {
 
     fn remove_session(s: &mut State, id: SessionId) -> (Removed, Garbage) {
         let mut removed = Removed::default();
-        let mut garbage = Garbage(Vec::new());
+        let mut garbage = Garbage::default();
         let Some(session) = s.sessions.remove(&id) else {
             return (removed, garbage);
         };
         removed.sessions.push(id);
+        for qp in &session.qps {
+            if let Some(record) = s.qps.remove(qp) {
+                garbage.qps.push(record);
+                removed.qps.push(*qp);
+            }
+        }
+        if let Some(usage) = s.usage.get_mut(&session.owner.uid) {
+            usage.sub(QuotaKind::Qps, session.qps.len() as u64);
+        }
         for region in &session.attachments {
             if let Some(r) = s.regions.get_mut(region.0) {
                 r.attached.remove(&id);
@@ -271,7 +309,7 @@ impl Registry {
         }
         for region in session.regions {
             if let Some(mr) = Self::remove_region(s, region) {
-                garbage.0.push(mr);
+                garbage.mrs.push(mr);
                 removed.regions.push(region);
             }
         }
@@ -739,6 +777,105 @@ impl Registry {
             )));
         }
         Ok(Self::region_info(id, r, &s))
+    }
+
+    /// Creates a queue pair for `session` on `entry`'s device, within the `qps` quota.
+    pub fn create_qp(
+        &self,
+        config: &Config,
+        caller: &Caller,
+        session: SessionId,
+        entry: &DeviceEntry,
+        options: QpOptions,
+    ) -> Result<(QpId, Arc<QueuePairRecord>), EngineError> {
+        let limits = quota::limits_for(config, caller.uid, &caller.gids);
+        {
+            let mut s = lock(&self.state);
+            Self::own_session(&mut s, caller, session)?;
+            let usage = s.usage.entry(caller.uid).or_default();
+            quota::check(&limits, usage, QuotaKind::Qps, 1)?;
+            usage.add(QuotaKind::Qps, 1);
+        }
+        let unreserve = |registry: &Registry| {
+            let mut s = lock(&registry.state);
+            if let Some(usage) = s.usage.get_mut(&caller.uid) {
+                usage.sub(QuotaKind::Qps, 1);
+            }
+            Self::forget_idle_user(&mut s, caller.uid);
+        };
+        let record = match qp::create(entry, session, caller.uid, options) {
+            Ok(r) => Arc::new(r),
+            Err(e) => {
+                unreserve(self);
+                return Err(e);
+            }
+        };
+        let mut s = lock(&self.state);
+        if Self::own_session(&mut s, caller, session).is_err() {
+            drop(s);
+            unreserve(self);
+            return Err(EngineError::NoSuchObject(format!(
+                "session {session} (closed while the queue pair was made)"
+            )));
+        }
+        s.last_qp += 1;
+        let id = s.last_qp;
+        s.sessions
+            .get_mut(&session)
+            .expect("checked above")
+            .qps
+            .insert(id);
+        s.qps.insert(id, Arc::clone(&record));
+        Ok((id, record))
+    }
+
+    /// A queue pair, if the caller's connection owns it.
+    pub fn own_qp(&self, caller: &Caller, id: QpId) -> Result<Arc<QueuePairRecord>, EngineError> {
+        let s = lock(&self.state);
+        let record = s
+            .qps
+            .get(&id)
+            .ok_or(EngineError::NoSuchObject(format!("queue pair {id}")))?;
+        let owner = s
+            .sessions
+            .get(&record.session)
+            .map(|x| x.owner.bus_name.as_str());
+        if owner != Some(caller.bus_name.as_str()) {
+            return Err(not_authorized(format!(
+                "queue pair {id} belongs to another session; only its owner may use it"
+            )));
+        }
+        Ok(Arc::clone(record))
+    }
+
+    /// Destroys a queue pair (its owner only); its windows go first.
+    pub fn destroy_qp(&self, caller: &Caller, id: QpId) -> Result<(), EngineError> {
+        self.own_qp(caller, id)?;
+        let mut s = lock(&self.state);
+        let Some(record) = s.qps.remove(&id) else {
+            return Err(EngineError::NoSuchObject(format!("queue pair {id}")));
+        };
+        if let Some(session) = s.sessions.get_mut(&record.session) {
+            session.qps.remove(&id);
+        }
+        if let Some(usage) = s.usage.get_mut(&record.owner_uid) {
+            usage.sub(QuotaKind::Qps, 1);
+        }
+        Self::forget_idle_user(&mut s, record.owner_uid);
+        drop(s);
+        drop(record);
+        Ok(())
+    }
+
+    /// Queue pairs the caller may see: its user's, or all for an administrator.
+    pub fn qps(&self, config: &Config, caller: &Caller) -> Vec<(QpId, Arc<QueuePairRecord>)> {
+        let admin = policy::is_admin(caller, config);
+        lock(&self.state)
+            .qps
+            .iter()
+            .filter(|(_, q)| admin || q.owner_uid == caller.uid)
+            .map(|(id, q)| (*id, Arc::clone(q)))
+            .collect()
     }
 
     /// What the session's QPs may touch: its own regions read-write, attached regions as

@@ -1,0 +1,160 @@
+//! `/org/rdmad1/qp/<n>`, interface `org.rdmad1.QueuePair`. Only the connection that owns
+//! the session may use it.
+
+use std::collections::HashMap;
+use std::net::Ipv6Addr;
+use std::sync::Arc;
+
+use rdmad_client::names::{qp_path, session_path};
+use rdmad_client::types::{Endpoint, QueuePairInfo};
+use rdmad_client::Error;
+use zbus::message::Header;
+use zbus::object_server::ObjectServer;
+use zbus::zvariant::OwnedValue;
+use zbus::{interface, Connection};
+
+use super::context::Context;
+use super::options::Options;
+use super::wire;
+use crate::engine::qp::{QpId, QueuePairRecord};
+use crate::engine::Removed;
+use crate::provider::{QpState, RemoteEndpoint};
+
+pub struct QueuePairObject {
+    ctx: Arc<Context>,
+    id: QpId,
+}
+
+impl QueuePairObject {
+    pub fn new(ctx: Arc<Context>, id: QpId) -> QueuePairObject {
+        QueuePairObject { ctx, id }
+    }
+}
+
+pub fn state_name(state: QpState) -> &'static str {
+    match state {
+        QpState::Reset => "reset",
+        QpState::Init => "init",
+        QpState::Rtr => "rtr",
+        QpState::Rts => "rts",
+        QpState::Sqd => "sqd",
+        QpState::Sqe => "sqe",
+        QpState::Error => "error",
+    }
+}
+
+pub fn info(id: QpId, q: &QueuePairRecord) -> QueuePairInfo {
+    let peer = q
+        .remote
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .as_ref()
+        .map_or(String::new(), |r| format!("{}/{}", r.gid, r.qp_num));
+    QueuePairInfo {
+        id,
+        path: wire::path(qp_path(id)),
+        session: wire::path(session_path(q.session)),
+        owner_uid: q.owner_uid,
+        device: q.device.clone(),
+        state: state_name(q.state()).to_owned(),
+        qp_num: q.local.qp_num,
+        send_depth: q.options.send_depth,
+        recv_depth: q.options.recv_depth,
+        peer,
+    }
+}
+
+/// Parses a peer's endpoint; every field error says which field and why.
+fn remote_endpoint(e: &Endpoint) -> Result<RemoteEndpoint, Error> {
+    let gid: Ipv6Addr = e.gid.parse().map_err(|_| {
+        Error::InvalidArgument(format!(
+            "Connect: gid {:?} is not a GID in IPv6 notation (e.g. ::ffff:10.0.2.15)",
+            e.gid
+        ))
+    })?;
+    if gid.is_unspecified() {
+        return Err(Error::InvalidArgument(
+            "Connect: gid :: is not a peer's GID".into(),
+        ));
+    }
+    if ![256, 512, 1024, 2048, 4096].contains(&e.mtu) {
+        return Err(Error::InvalidArgument(format!(
+            "Connect: mtu {} is not an RDMA path MTU (256, 512, 1024, 2048 or 4096)",
+            e.mtu
+        )));
+    }
+    Ok(RemoteEndpoint {
+        gid,
+        qp_num: e.qp_num,
+        psn: e.psn,
+        lid: e.lid,
+    })
+}
+
+#[interface(name = "org.rdmad1.QueuePair")]
+impl QueuePairObject {
+    /// What a peer needs to connect to this queue pair.
+    async fn endpoint(
+        &self,
+        #[zbus(header)] header: Header<'_>,
+        #[zbus(connection)] connection: &Connection,
+    ) -> Result<Endpoint, Error> {
+        let caller = self.ctx.caller(connection, &header).await?;
+        let q = self.ctx.engine.registry.own_qp(&caller, self.id)?;
+        Ok(Endpoint {
+            gid: q.local.gid.to_string(),
+            gid_index: q.local.gid_index,
+            qp_num: q.local.qp_num,
+            psn: q.local.psn,
+            mtu: q.local.mtu,
+            lid: q.local.lid,
+        })
+    }
+
+    /// Connects to a peer's endpoint (RESET → RTS), with timeouts, retries and atomic
+    /// depth taken from the device. The path MTU is the smaller of the two ends'.
+    async fn connect(
+        &self,
+        remote: Endpoint,
+        options: HashMap<String, OwnedValue>,
+        #[zbus(header)] header: Header<'_>,
+        #[zbus(connection)] connection: &Connection,
+    ) -> Result<(), Error> {
+        Options::new("Connect", &options, &[])?;
+        let caller = self.ctx.caller(connection, &header).await?;
+        let q = self.ctx.engine.registry.own_qp(&caller, self.id)?;
+        let peer = remote_endpoint(&remote)?;
+        let entry = self.ctx.engine.device(&q.device)?;
+        let mtu = q.local.mtu.min(remote.mtu);
+        q.connect_with_mtu(entry.device.as_ref(), peer, mtu)?;
+        tracing::info!(qp = self.id, peer = %remote.gid, peer_qpn = remote.qp_num, "queue pair connected");
+        Ok(())
+    }
+
+    /// Destroys the queue pair (its windows first).
+    async fn destroy(
+        &self,
+        #[zbus(header)] header: Header<'_>,
+        #[zbus(connection)] connection: &Connection,
+        #[zbus(object_server)] server: &ObjectServer,
+    ) -> Result<(), Error> {
+        let caller = self.ctx.caller(connection, &header).await?;
+        self.ctx.engine.registry.destroy_qp(&caller, self.id)?;
+        let removed = Removed {
+            qps: vec![self.id],
+            ..Removed::default()
+        };
+        self.ctx.withdraw(server, &removed).await;
+        Ok(())
+    }
+
+    async fn get_info(
+        &self,
+        #[zbus(header)] header: Header<'_>,
+        #[zbus(connection)] connection: &Connection,
+    ) -> Result<QueuePairInfo, Error> {
+        let caller = self.ctx.caller(connection, &header).await?;
+        let q = self.ctx.engine.registry.own_qp(&caller, self.id)?;
+        Ok(info(self.id, &q))
+    }
+}

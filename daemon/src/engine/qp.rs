@@ -1,0 +1,290 @@
+//! Queue pairs the daemon creates for sessions: an RC QP and its CQ on the device's PD, the
+//! ring memfd and eventfds of the data path, the endpoint a peer needs, and the connection
+//! to that peer. Teardown releases windows before the QP and the QP before its CQ.
+
+use std::net::Ipv6Addr;
+use std::os::fd::OwnedFd;
+use std::sync::{Arc, Mutex};
+
+use rdmad_client::ring::Layout;
+
+use super::{DeviceEntry, EngineError};
+use crate::memory::SharedMemory;
+use crate::provider::{
+    Access, CompletionQueue, Device, GidEntry, GidType, QpInit, QpState, QueuePair, RemoteEndpoint,
+    RtrAttributes, RtsAttributes,
+};
+
+pub type QpId = u64;
+
+/// What a client may ask of a new QP (`CreateQueuePair` options).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct QpOptions {
+    pub send_depth: u32,
+    pub recv_depth: u32,
+    pub max_sge: u32,
+    pub max_inline: u32,
+}
+
+impl Default for QpOptions {
+    fn default() -> Self {
+        QpOptions {
+            send_depth: 128,
+            recv_depth: 128,
+            max_sge: 4,
+            max_inline: 0,
+        }
+    }
+}
+
+impl QpOptions {
+    /// Checks the options against the device's limits and the ring format.
+    pub fn check(&self, dev: &dyn Device) -> Result<(), EngineError> {
+        let attrs = dev.attributes()?;
+        let invalid = |what: &str| Err(EngineError::InvalidArgument(what.to_owned()));
+        for (name, depth) in [
+            ("send_depth", self.send_depth),
+            ("recv_depth", self.recv_depth),
+        ] {
+            if depth == 0 || depth > attrs.max_qp_wr.min(16384) {
+                return invalid(&format!(
+                    "{name} {depth} is out of range: 1 to {} on {}",
+                    attrs.max_qp_wr.min(16384),
+                    dev.name()
+                ));
+            }
+        }
+        let max_sge = (rdmad_client::ring::MAX_SGE as u32).min(attrs.max_sge);
+        if self.max_sge == 0 || self.max_sge > max_sge {
+            return invalid(&format!(
+                "max_sge {} is out of range: 1 to {max_sge}",
+                self.max_sge
+            ));
+        }
+        if self.max_inline > 0 {
+            return invalid("inline data is not supported yet: use max_inline 0");
+        }
+        Ok(())
+    }
+}
+
+/// What a peer needs to connect to this QP.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LocalEndpoint {
+    pub gid: Ipv6Addr,
+    pub gid_index: u32,
+    pub qp_num: u32,
+    pub psn: u32,
+    pub mtu: u32,
+    pub lid: u16,
+    pub port: u8,
+}
+
+/// A queue pair owned by a session.
+#[derive(Debug)]
+pub struct QueuePairRecord {
+    pub session: super::SessionId,
+    pub owner_uid: u32,
+    pub device: String,
+    pub options: QpOptions,
+    // Field order is drop order: the QP before its CQ.
+    pub qp: Arc<dyn QueuePair>,
+    pub cq: Arc<dyn CompletionQueue>,
+    /// Submission and completion rings (see `rdmad_client::ring`).
+    pub ring: Arc<SharedMemory>,
+    pub layout: Layout,
+    /// Written by the client after submitting (when the worker asked for wake-ups).
+    pub doorbell: OwnedFd,
+    /// Written by the daemon after delivering completions.
+    pub completion_event: OwnedFd,
+    pub local: LocalEndpoint,
+    pub remote: Mutex<Option<RemoteEndpoint>>,
+}
+
+/// The GID QPs of this device use: the pinned index, else the RoCE v2 IPv4-mapped GID,
+/// else any RoCE v2 GID, else the first.
+pub fn select_gid(entry: &DeviceEntry) -> Result<GidEntry, EngineError> {
+    let gids = entry.device.gid_table(entry.port)?;
+    let pick = match entry.gid_index {
+        Some(index) => gids.iter().find(|g| g.index == index).ok_or_else(|| {
+            EngineError::Startup(format!(
+                "{}: gid_index {index} is configured, but port {} has no such GID",
+                entry.device.name(),
+                entry.port
+            ))
+        })?,
+        None => gids
+            .iter()
+            .find(|g| g.gid_type == GidType::RoceV2 && g.is_ipv4_mapped())
+            .or_else(|| gids.iter().find(|g| g.gid_type == GidType::RoceV2))
+            .or_else(|| gids.first())
+            .ok_or_else(|| {
+                EngineError::Startup(format!(
+                    "{} port {} has no GID: is its network interface up?",
+                    entry.device.name(),
+                    entry.port
+                ))
+            })?,
+    };
+    Ok(pick.clone())
+}
+
+fn eventfd() -> Result<OwnedFd, EngineError> {
+    use nix::sys::eventfd::{EfdFlags, EventFd};
+    EventFd::from_flags(EfdFlags::EFD_CLOEXEC | EfdFlags::EFD_NONBLOCK)
+        .map(OwnedFd::from)
+        .map_err(|e| EngineError::Io(format!("cannot create an eventfd: {e}")))
+}
+
+/// A starting packet sequence number from the OS random generator (24 bits).
+fn random_psn() -> Result<u32, EngineError> {
+    let mut b = [0u8; 4];
+    getrandom::fill(&mut b).map_err(|e| EngineError::Io(format!("no random numbers: {e}")))?;
+    Ok(u32::from_le_bytes(b) & 0x00ff_ffff)
+}
+
+/// Creates the provider objects and the ring of a new QP (RESET state).
+pub fn create(
+    entry: &DeviceEntry,
+    session: super::SessionId,
+    owner_uid: u32,
+    options: QpOptions,
+) -> Result<QueuePairRecord, EngineError> {
+    options.check(entry.device.as_ref())?;
+    let gid = select_gid(entry)?;
+    let port = entry.device.query_port(entry.port)?;
+    let cq = entry
+        .pd
+        .create_cq(options.send_depth + options.recv_depth)?;
+    let qp = entry.pd.create_qp(QpInit {
+        send_cq: Arc::clone(&cq),
+        recv_cq: Arc::clone(&cq),
+        max_send_wr: options.send_depth,
+        max_recv_wr: options.recv_depth,
+        max_send_sge: options.max_sge,
+        max_recv_sge: options.max_sge,
+        max_inline_data: options.max_inline,
+    })?;
+    let layout = Layout::new(
+        options.send_depth + options.recv_depth,
+        options.send_depth + options.recv_depth,
+    )
+    .ok_or_else(|| EngineError::InvalidArgument("queue depths too large for a ring".into()))?;
+    let ring = SharedMemory::create(c"rdmad-qp-ring", layout.size())
+        .map_err(|e| EngineError::Io(format!("cannot create the QP's ring: {e}")))?;
+    for (offset, word) in layout.header_words() {
+        ring.write_at(offset, &word.to_le_bytes())
+            .map_err(|e| EngineError::Io(e.to_string()))?;
+    }
+    let local = LocalEndpoint {
+        gid: gid.gid,
+        gid_index: gid.index,
+        qp_num: qp.qp_num(),
+        psn: random_psn()?,
+        mtu: port.active_mtu,
+        lid: port.lid,
+        port: entry.port,
+    };
+    Ok(QueuePairRecord {
+        session,
+        owner_uid,
+        device: entry.device.name().to_owned(),
+        options,
+        qp,
+        cq,
+        ring: Arc::new(ring),
+        layout,
+        doorbell: eventfd()?,
+        completion_event: eventfd()?,
+        local,
+        remote: Mutex::new(None),
+    })
+}
+
+/// Connection defaults taken from the device (`Connect` options may lower them later).
+#[derive(Debug, Clone, Copy)]
+pub struct ConnectDefaults {
+    pub timeout: u8,
+    pub retry_cnt: u8,
+    pub rnr_retry: u8,
+    pub min_rnr_timer: u8,
+    pub rd_atomic: u8,
+}
+
+impl ConnectDefaults {
+    pub fn for_device(dev: &dyn Device) -> Result<ConnectDefaults, EngineError> {
+        let attrs = dev.attributes()?;
+        Ok(ConnectDefaults {
+            // 4.096 µs × 2^14 ≈ 67 ms per try: enough for Soft-RoCE under load.
+            timeout: 14,
+            retry_cnt: 7,
+            // 7: retry without limit while the peer has no receive posted.
+            rnr_retry: 7,
+            min_rnr_timer: 12,
+            rd_atomic: u8::try_from(attrs.max_qp_rd_atom.clamp(1, 16)).unwrap_or(16),
+        })
+    }
+}
+
+impl QueuePairRecord {
+    /// Moves the QP RESET → INIT → RTR → RTS towards `remote`.
+    pub fn connect(&self, dev: &dyn Device, remote: RemoteEndpoint) -> Result<(), EngineError> {
+        self.connect_with_mtu(dev, remote, self.local.mtu)
+    }
+
+    /// As [`QueuePairRecord::connect`], with the path MTU agreed with the peer.
+    pub fn connect_with_mtu(
+        &self,
+        dev: &dyn Device,
+        remote: RemoteEndpoint,
+        path_mtu: u32,
+    ) -> Result<(), EngineError> {
+        let mut slot = self.remote.lock().unwrap_or_else(|e| e.into_inner());
+        if slot.is_some() {
+            return Err(EngineError::InvalidArgument(
+                "the queue pair is connected already; create another one for another peer".into(),
+            ));
+        }
+        if remote.qp_num == 0 || remote.qp_num > 0x00ff_ffff {
+            return Err(EngineError::InvalidArgument(format!(
+                "remote QPN {} is not a 24-bit queue pair number",
+                remote.qp_num
+            )));
+        }
+        if remote.psn > 0x00ff_ffff {
+            return Err(EngineError::InvalidArgument(format!(
+                "remote PSN {} is not a 24-bit packet sequence number",
+                remote.psn
+            )));
+        }
+        let d = ConnectDefaults::for_device(dev)?;
+        let remote_rights = Access::LOCAL_WRITE
+            .union(Access::REMOTE_WRITE)
+            .union(Access::REMOTE_READ)
+            .union(Access::REMOTE_ATOMIC);
+        self.qp.to_init(self.local.port, remote_rights)?;
+        self.qp.to_rtr(
+            &remote,
+            &RtrAttributes {
+                port: self.local.port,
+                sgid_index: self.local.gid_index,
+                path_mtu,
+                max_dest_rd_atomic: d.rd_atomic,
+                min_rnr_timer: d.min_rnr_timer,
+            },
+        )?;
+        self.qp.to_rts(&RtsAttributes {
+            psn: self.local.psn,
+            timeout: d.timeout,
+            retry_cnt: d.retry_cnt,
+            rnr_retry: d.rnr_retry,
+            max_rd_atomic: d.rd_atomic,
+        })?;
+        *slot = Some(remote);
+        Ok(())
+    }
+
+    pub fn state(&self) -> QpState {
+        self.qp.state().unwrap_or(QpState::Error)
+    }
+}

@@ -1,0 +1,1187 @@
+//! RC queue pairs and the data path: the requester and responder sides of every operation,
+//! run synchronously under the device's execution lock (see the module documentation of
+//! `loopback`).
+//!
+//! What rxe does, and what is done here:
+//! - Responder checks run in rxe's order: QP state → opcode allowed by the responder QP's
+//!   access flags (else REM_INV_REQ) → a receive WQE for SEND / WRITE-with-imm (else RNR)
+//!   → rkey → execute. A zero-length READ/WRITE checks no rkey (C9-88).
+//! - rkeys: an MR rkey needs the MR's remote right and the responder QP's PD; a window's
+//!   rkey needs the exact current key, a binding, the responder QP's PD, the right in the
+//!   window's access flags, and for a type-2 window the responder QP must be the QP the
+//!   window was bound through (`rxe_lookup_mw`: `mw->qp != qp` fails). Type-1 windows work
+//!   through any QP of the PD.
+//! - Bounds: rxe checks an access against the *MR* only (`mr_check_range`), not against the
+//!   window (measured in the VM). Here both are checked, as the IB spec requires; see
+//!   [`ENFORCE_WINDOW_BOUNDS`].
+//! - Responder-detected errors of class C (remote access, invalid request, length) put the
+//!   responder QP in the error state too (rxe's `do_class_ac_error` sets `goto_error`); a
+//!   receive WQE consumed by the failed request completes with an error.
+//! - The requester gets RetryExceeded when the peer never answers: no such QP, not in
+//!   RTR/RTS, or not connected back to this QP — after `timeout`×(`retry_cnt`+1) like a
+//!   real transport (timeout 0 waits forever); RNR waits `rnr_retry` times the responder's
+//!   `min_rnr_timer`, forever with 7.
+
+use std::collections::VecDeque;
+use std::sync::{Arc, Mutex, Weak};
+use std::time::{Duration, Instant};
+
+use super::cq::{CqInner, LoopbackCq};
+use super::{
+    check_port, os_error, range_inside, Binding, LoopbackMr, LoopbackMw, PdInner, Registration,
+    Shared, MAX_INLINE_DATA, MAX_QP, MAX_QP_RD_ATOM, MAX_QP_WR, MAX_SGE, PORT_MTU,
+};
+use crate::lock::lock;
+use crate::memory::SharedMemory;
+use crate::provider::counters::Tracked;
+use crate::provider::{
+    Access, CompletionQueue, MemoryRegion, MemoryWindow, MwType, ObjectKind, ProviderError, QpInit,
+    QpState, QueuePair, RecvWr, RemoteEndpoint, Result, RtrAttributes, RtsAttributes, SendOp,
+    SendWr, Sge, WcOpcode, WcStatus, WorkCompletion,
+};
+
+/// Check RDMA accesses through a window against the window's own range as well as its
+/// MR's. rxe checks the MR only; the IB spec (and the brief for this device) wants both.
+/// The daemon binds windows over whole regions, where the two agree.
+const ENFORCE_WINDOW_BOUNDS: bool = true;
+
+/// `IBV_WC_LOC_QP_OP_ERR`: what rxe reports for a failed local invalidate.
+const WC_LOC_QP_OP_ERR: u32 = 2;
+
+/// The largest message an RC QP carries (IB: 2^31 bytes).
+const MAX_MESSAGE: u64 = 1 << 31;
+
+const QPN_MASK: u32 = 0x00ff_ffff;
+const FIRST_QPN: u32 = 0x11;
+
+pub(super) fn create(pd: &Arc<PdInner>, init: QpInit) -> Result<Arc<dyn QueuePair>> {
+    let device = &pd.device;
+    let name = &device.name;
+    let send_cq = cq_of(pd, &init.send_cq)?;
+    let recv_cq = cq_of(pd, &init.recv_cq)?;
+    for (what, value, max) in [
+        ("max_send_wr", init.max_send_wr, MAX_QP_WR),
+        ("max_recv_wr", init.max_recv_wr, MAX_QP_WR),
+        ("max_send_sge", init.max_send_sge, MAX_SGE),
+        ("max_recv_sge", init.max_recv_sge, MAX_SGE),
+        ("max_inline_data", init.max_inline_data, MAX_INLINE_DATA),
+    ] {
+        if value > max {
+            return Err(ProviderError::invalid(
+                name,
+                format!("{what} {value} exceeds the device limit {max}"),
+            ));
+        }
+    }
+    if device.counters.snapshot().qps >= u64::from(MAX_QP) {
+        return Err(os_error(name, "ibv_create_qp", libc::ENOMEM));
+    }
+    let id = device.next_id();
+    let mut qps = lock(&device.qps);
+    // 24-bit numbers, unique among live QPs (MAX_QP < 2^24, so one is always free).
+    let qp_num = loop {
+        let n = device
+            .next_qpn
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+            & QPN_MASK;
+        if n >= FIRST_QPN && qps.get(&n).is_none_or(|w| w.strong_count() == 0) {
+            break n;
+        }
+    };
+    let inner = Arc::new(QpInner {
+        id,
+        qp_num,
+        pd: Arc::clone(pd),
+        send_cq,
+        recv_cq,
+        _send_cq: init.send_cq,
+        _recv_cq: init.recv_cq,
+        max_send_wr: init.max_send_wr as usize,
+        max_recv_wr: init.max_recv_wr as usize,
+        max_send_sge: init.max_send_sge as usize,
+        max_recv_sge: init.max_recv_sge as usize,
+        data: Mutex::new(QpData {
+            state: QpState::Reset,
+            access: Access::NONE,
+            remote: None,
+            min_rnr_timer: 0,
+            timeout: 0,
+            retry_cnt: 0,
+            rnr_retry: 0,
+            sq: VecDeque::new(),
+            rq: VecDeque::new(),
+        }),
+    });
+    qps.insert(qp_num, Arc::downgrade(&inner));
+    drop(qps);
+    Ok(Arc::new(LoopbackQp {
+        inner,
+        _tracked: device.counters.track(ObjectKind::Qp),
+    }))
+}
+
+/// The CQ's shared part, if `cq` is a loopback CQ of this device.
+fn cq_of(pd: &PdInner, cq: &Arc<dyn CompletionQueue>) -> Result<Arc<CqInner>> {
+    match cq.as_any().downcast_ref::<LoopbackCq>() {
+        Some(cq) if Arc::ptr_eq(&cq.pd.device, &pd.device) => Ok(Arc::clone(&cq.inner)),
+        _ => Err(ProviderError::invalid(
+            &pd.device.name,
+            "the completion queue belongs to another device",
+        )),
+    }
+}
+
+/// The handle the engine holds. Its drop unpublishes the QP under the execution lock, so
+/// the handle holds the last strong reference to [`QpInner`].
+#[derive(Debug)]
+struct LoopbackQp {
+    inner: Arc<QpInner>,
+    _tracked: Tracked,
+}
+
+#[derive(Debug)]
+pub(super) struct QpInner {
+    /// Unique on the device and never reused (qp_nums wrap): what a type-2 window records.
+    pub(super) id: u64,
+    qp_num: u32,
+    pd: Arc<PdInner>,
+    send_cq: Arc<CqInner>,
+    recv_cq: Arc<CqInner>,
+    /// Keep the CQ objects (and their counts) alive while the QP uses them.
+    _send_cq: Arc<dyn CompletionQueue>,
+    _recv_cq: Arc<dyn CompletionQueue>,
+    max_send_wr: usize,
+    max_recv_wr: usize,
+    max_send_sge: usize,
+    max_recv_sge: usize,
+    data: Mutex<QpData>,
+}
+
+#[derive(Debug)]
+struct QpData {
+    state: QpState,
+    /// Remote rights this QP grants as a responder (`qp_access_flags`).
+    access: Access,
+    remote: Option<RemoteEndpoint>,
+    min_rnr_timer: u8,
+    timeout: u8,
+    retry_cnt: u8,
+    rnr_retry: u8,
+    sq: VecDeque<Pending>,
+    rq: VecDeque<RecvWr>,
+}
+
+#[derive(Debug)]
+struct Pending {
+    wr: SendWr,
+    /// Set while the request waits for its peer: why, and when to give up.
+    waiting: Option<(Wait, Instant)>,
+}
+
+/// Why a request cannot make progress yet.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Wait {
+    /// The responder has no receive posted (it answered RNR NAK).
+    Rnr,
+    /// The responder does not answer at all (transport retries).
+    Transport,
+}
+
+enum Step {
+    /// Executed; the byte count for the completion.
+    Done(u32),
+    /// Cannot progress yet; `per_try` is how long one retry waits.
+    Blocked(Wait, Duration),
+    /// Failed with this status; the QP goes to the error state.
+    Failed(WcStatus),
+}
+
+fn opcode(op: &SendOp) -> WcOpcode {
+    match op {
+        SendOp::Send { .. } => WcOpcode::Send,
+        SendOp::Write { .. } => WcOpcode::RdmaWrite,
+        SendOp::Read { .. } => WcOpcode::RdmaRead,
+        SendOp::FetchAdd { .. } => WcOpcode::FetchAdd,
+        SendOp::CompareSwap { .. } => WcOpcode::CompareSwap,
+        SendOp::BindMw { .. } => WcOpcode::BindMw,
+        SendOp::LocalInvalidate { .. } => WcOpcode::LocalInvalidate,
+    }
+}
+
+/// `min_rnr_timer` encodings (IB table 45), in microseconds.
+const RNR_TIMER_US: [u64; 32] = [
+    655_360, 10, 20, 30, 40, 60, 80, 120, 160, 240, 320, 480, 640, 960, 1_280, 1_920, 2_560, 3_840,
+    5_120, 7_680, 10_240, 15_360, 20_480, 30_720, 40_960, 61_440, 81_920, 122_880, 163_840,
+    245_760, 327_680, 491_520,
+];
+
+/// Runs `f` under the device's execution lock, then every QP it asked to be kicked.
+fn drive(device: &Arc<Shared>, f: impl FnOnce(&mut Exec<'_>)) {
+    let _exec = lock(&device.exec);
+    let mut ex = Exec {
+        device,
+        kicks: Vec::new(),
+    };
+    f(&mut ex);
+    // Each kick either finds nothing to do or completes/flushes work, so this ends; the
+    // bound is a guard against a bug turning into a livelock.
+    let mut rounds = 0;
+    while let Some(qp_num) = ex.kicks.pop() {
+        rounds += 1;
+        if rounds > 4096 {
+            tracing::error!("loopback {}: too many chained kicks", device.name);
+            break;
+        }
+        if let Some(qp) = ex.lookup(qp_num) {
+            ex.run(&qp);
+        }
+    }
+}
+
+/// Wakes `qp_num` at `at` (to time out a wait).
+fn schedule(device: &Arc<Shared>, qp_num: u32, at: Instant) {
+    let weak: Weak<Shared> = Arc::downgrade(device);
+    let spawned = std::thread::Builder::new()
+        .name("loopback-retry".to_owned())
+        .spawn(move || {
+            std::thread::sleep(
+                at.saturating_duration_since(Instant::now()) + Duration::from_millis(1),
+            );
+            if let Some(device) = weak.upgrade() {
+                drive(&device, |ex| ex.kicks.push(qp_num));
+            }
+        });
+    if let Err(e) = spawned {
+        tracing::error!(
+            "loopback {}: cannot start a retry timer for QP {qp_num}: {e}",
+            device.name
+        );
+    }
+}
+
+/// The state of one run under the execution lock.
+struct Exec<'a> {
+    device: &'a Arc<Shared>,
+    /// QPs to run after the current one (never run re-entrantly).
+    kicks: Vec<u32>,
+}
+
+impl Exec<'_> {
+    fn lookup(&self, qp_num: u32) -> Option<Arc<QpInner>> {
+        lock(&self.device.qps).get(&qp_num).and_then(Weak::upgrade)
+    }
+
+    /// Runs `qp`'s send queue as far as it goes (or flushes it if the QP is in error).
+    fn run(&mut self, qp: &Arc<QpInner>) {
+        loop {
+            let (state, head) = {
+                let data = lock(&qp.data);
+                let head = data.sq.front().map(|p| (p.wr.clone(), p.waiting));
+                (data.state, head)
+            };
+            if state == QpState::Error {
+                self.flush(qp);
+                return;
+            }
+            let Some((wr, waiting)) = head else { return };
+            if state != QpState::Rts {
+                return;
+            }
+            match self.execute(qp, &wr) {
+                Step::Done(byte_len) => {
+                    let popped = lock(&qp.data).sq.pop_front();
+                    drop(popped);
+                    if wr.signaled {
+                        let wc = WorkCompletion {
+                            wr_id: wr.wr_id,
+                            status: WcStatus::Success,
+                            opcode: opcode(&wr.op),
+                            byte_len,
+                            imm: None,
+                            qp_num: qp.qp_num,
+                        };
+                        if !qp.send_cq.push(wc) {
+                            self.error(qp);
+                            return;
+                        }
+                    }
+                }
+                Step::Failed(status) => {
+                    self.fail_head(qp, &wr, status);
+                    return;
+                }
+                Step::Blocked(wait, per_try) => {
+                    let (retries, infinite) = {
+                        let data = lock(&qp.data);
+                        match wait {
+                            Wait::Rnr => (u32::from(data.rnr_retry), data.rnr_retry >= 7),
+                            Wait::Transport => (u32::from(data.retry_cnt) + 1, data.timeout == 0),
+                        }
+                    };
+                    if infinite {
+                        return;
+                    }
+                    let now = Instant::now();
+                    match waiting {
+                        Some((w, deadline)) if w == wait => {
+                            if now >= deadline {
+                                let status = match wait {
+                                    Wait::Rnr => WcStatus::RnrRetryExceeded,
+                                    Wait::Transport => WcStatus::RetryExceeded,
+                                };
+                                self.fail_head(qp, &wr, status);
+                            }
+                        }
+                        _ if retries == 0 => self.fail_head(qp, &wr, WcStatus::RnrRetryExceeded),
+                        _ => {
+                            let deadline = now + per_try * retries;
+                            if let Some(head) = lock(&qp.data).sq.front_mut() {
+                                head.waiting = Some((wait, deadline));
+                            }
+                            schedule(self.device, qp.qp_num, deadline);
+                        }
+                    }
+                    return;
+                }
+            }
+        }
+    }
+
+    /// Completes the head request with an error and moves the QP to the error state.
+    fn fail_head(&mut self, qp: &Arc<QpInner>, wr: &SendWr, status: WcStatus) {
+        let popped = lock(&qp.data).sq.pop_front();
+        drop(popped);
+        // Error completions are reported whether or not the request was signaled.
+        qp.send_cq.push(WorkCompletion {
+            wr_id: wr.wr_id,
+            status,
+            opcode: opcode(&wr.op),
+            byte_len: 0,
+            imm: None,
+            qp_num: qp.qp_num,
+        });
+        self.error(qp);
+    }
+
+    /// Moves `qp` to the error state and flushes it; its peer may be waiting on it.
+    fn error(&mut self, qp: &Arc<QpInner>) {
+        let peer = {
+            let mut data = lock(&qp.data);
+            let was = std::mem::replace(&mut data.state, QpState::Error);
+            (was != QpState::Error)
+                .then(|| data.remote.as_ref().map(|r| r.qp_num))
+                .flatten()
+        };
+        self.flush(qp);
+        if let Some(peer) = peer {
+            self.kicks.push(peer);
+        }
+    }
+
+    /// Completes every outstanding request of `qp` with `WrFlushError`, in order.
+    fn flush(&mut self, qp: &Arc<QpInner>) {
+        let (sq, rq) = {
+            let mut data = lock(&qp.data);
+            (std::mem::take(&mut data.sq), std::mem::take(&mut data.rq))
+        };
+        for pending in &sq {
+            qp.send_cq.push(WorkCompletion {
+                wr_id: pending.wr.wr_id,
+                status: WcStatus::WrFlushError,
+                opcode: opcode(&pending.wr.op),
+                byte_len: 0,
+                imm: None,
+                qp_num: qp.qp_num,
+            });
+        }
+        for recv in &rq {
+            qp.recv_cq.push(WorkCompletion {
+                wr_id: recv.wr_id,
+                status: WcStatus::WrFlushError,
+                opcode: WcOpcode::Recv,
+                byte_len: 0,
+                imm: None,
+                qp_num: qp.qp_num,
+            });
+        }
+    }
+
+    /// A responder-detected (class C) error: the receive the request consumed, if any,
+    /// completes with `status`, and the responder QP goes to the error state.
+    fn responder_error(
+        &mut self,
+        peer: &Arc<QpInner>,
+        recv: Option<(&RecvWr, WcOpcode)>,
+        status: WcStatus,
+    ) {
+        if let Some((recv, opcode)) = recv {
+            peer.recv_cq.push(WorkCompletion {
+                wr_id: recv.wr_id,
+                status,
+                opcode,
+                byte_len: 0,
+                imm: None,
+                qp_num: peer.qp_num,
+            });
+        }
+        self.error(peer);
+    }
+
+    /// The connected peer, or how long one transport retry waits if it does not answer.
+    fn peer(&self, qp: &QpInner) -> std::result::Result<Arc<QpInner>, Step> {
+        let (remote, timeout) = {
+            let data = lock(&qp.data);
+            (data.remote.clone(), data.timeout)
+        };
+        // 4.096 µs · 2^timeout per try.
+        let per_try = Duration::from_nanos(4096u64 << timeout.min(31));
+        let unreachable = Step::Blocked(Wait::Transport, per_try);
+        let Some(remote) = remote else {
+            return Err(unreachable);
+        };
+        if !self.device.gids().iter().any(|g| g.gid == remote.gid) {
+            return Err(unreachable);
+        }
+        let Some(peer) = self.lookup(remote.qp_num) else {
+            return Err(unreachable);
+        };
+        {
+            let data = lock(&peer.data);
+            let ready = matches!(data.state, QpState::Rtr | QpState::Rts);
+            // The responder acknowledges to its own destination QP: if that is not us, we
+            // never hear back.
+            let connected_back = data.remote.as_ref().is_some_and(|r| r.qp_num == qp.qp_num);
+            if !ready || !connected_back {
+                return Err(unreachable);
+            }
+        }
+        Ok(peer)
+    }
+
+    /// Takes the responder's next receive, or says how long the RNR timer is.
+    fn take_recv(&self, peer: &QpInner) -> std::result::Result<RecvWr, Step> {
+        let mut data = lock(&peer.data);
+        match data.rq.pop_front() {
+            Some(recv) => Ok(recv),
+            None => {
+                let us = RNR_TIMER_US[usize::from(data.min_rnr_timer & 31)];
+                Err(Step::Blocked(Wait::Rnr, Duration::from_micros(us)))
+            }
+        }
+    }
+
+    fn execute(&mut self, qp: &Arc<QpInner>, wr: &SendWr) -> Step {
+        match &wr.op {
+            SendOp::BindMw {
+                mw,
+                mr,
+                addr,
+                len,
+                access,
+            } => self.bind(qp, mw.as_ref(), mr.as_ref(), *addr, *len, *access),
+            SendOp::LocalInvalidate { rkey } => self.invalidate(qp, *rkey),
+            SendOp::Send { imm } => self.send(qp, wr, *imm),
+            SendOp::Write {
+                remote_addr,
+                rkey,
+                imm,
+            } => self.write(qp, wr, *remote_addr, *rkey, *imm),
+            SendOp::Read { remote_addr, rkey } => self.read(qp, wr, *remote_addr, *rkey),
+            SendOp::FetchAdd {
+                remote_addr,
+                rkey,
+                add,
+            } => {
+                let add = *add;
+                self.atomic(qp, wr, *remote_addr, *rkey, |old| old.wrapping_add(add))
+            }
+            SendOp::CompareSwap {
+                remote_addr,
+                rkey,
+                compare,
+                swap,
+            } => {
+                let (compare, swap) = (*compare, *swap);
+                self.atomic(qp, wr, *remote_addr, *rkey, |old| {
+                    if old == compare {
+                        swap
+                    } else {
+                        old
+                    }
+                })
+            }
+        }
+    }
+
+    fn send(&mut self, qp: &Arc<QpInner>, wr: &SendWr, imm: Option<u32>) -> Step {
+        let data = match gather(self.device, qp.pd.id, &wr.sges) {
+            Ok(data) => data,
+            Err(status) => return Step::Failed(status),
+        };
+        let peer = match self.peer(qp) {
+            Ok(peer) => peer,
+            Err(step) => return step,
+        };
+        let recv = match self.take_recv(&peer) {
+            Ok(recv) => recv,
+            Err(step) => return step,
+        };
+        match plan_scatter(self.device, peer.pd.id, &recv.sges, data.len()) {
+            Ok(plan) => write_plan(&plan, &data),
+            Err(ScatterError::Length) => {
+                // The receiver sees a local length error; the sender an invalid request.
+                self.responder_error(
+                    &peer,
+                    Some((&recv, WcOpcode::Recv)),
+                    WcStatus::LocalLengthError,
+                );
+                return Step::Failed(WcStatus::RemoteInvalidRequestError);
+            }
+            Err(ScatterError::Protection) => {
+                self.responder_error(
+                    &peer,
+                    Some((&recv, WcOpcode::Recv)),
+                    WcStatus::LocalProtectionError,
+                );
+                return Step::Failed(WcStatus::RemoteOperationError);
+            }
+        }
+        let byte_len = data.len() as u32;
+        if !peer.recv_cq.push(WorkCompletion {
+            wr_id: recv.wr_id,
+            status: WcStatus::Success,
+            opcode: WcOpcode::Recv,
+            byte_len,
+            imm,
+            qp_num: peer.qp_num,
+        }) {
+            self.error(&peer);
+        }
+        Step::Done(byte_len)
+    }
+
+    /// The opcode check of the responder: its QP must allow `needed` remotely.
+    fn allows(peer: &QpInner, needed: Access) -> bool {
+        lock(&peer.data).access.contains(needed)
+    }
+
+    fn write(
+        &mut self,
+        qp: &Arc<QpInner>,
+        wr: &SendWr,
+        remote_addr: u64,
+        rkey: u32,
+        imm: Option<u32>,
+    ) -> Step {
+        let data = match gather(self.device, qp.pd.id, &wr.sges) {
+            Ok(data) => data,
+            Err(status) => return Step::Failed(status),
+        };
+        let peer = match self.peer(qp) {
+            Ok(peer) => peer,
+            Err(step) => return step,
+        };
+        if !Self::allows(&peer, Access::REMOTE_WRITE) {
+            self.responder_error(&peer, None, WcStatus::RemoteInvalidRequestError);
+            return Step::Failed(WcStatus::RemoteInvalidRequestError);
+        }
+        let recv = match imm {
+            Some(_) => match self.take_recv(&peer) {
+                Ok(recv) => Some(recv),
+                Err(step) => return step,
+            },
+            None => None,
+        };
+        if !data.is_empty() {
+            let len = data.len() as u64;
+            match resolve_remote(
+                self.device,
+                &peer,
+                rkey,
+                remote_addr,
+                len,
+                Access::REMOTE_WRITE,
+            ) {
+                Some((memory, offset)) => {
+                    if memory.write_at(offset, &data).is_err() {
+                        // Cannot happen: the range was checked against the registration.
+                        return Step::Failed(WcStatus::RemoteAccessError);
+                    }
+                }
+                None => {
+                    let consumed = recv.as_ref().map(|r| (r, WcOpcode::RecvRdmaWithImm));
+                    self.responder_error(&peer, consumed, WcStatus::RemoteAccessError);
+                    return Step::Failed(WcStatus::RemoteAccessError);
+                }
+            }
+        }
+        let byte_len = data.len() as u32;
+        if let Some(recv) = recv {
+            if !peer.recv_cq.push(WorkCompletion {
+                wr_id: recv.wr_id,
+                status: WcStatus::Success,
+                opcode: WcOpcode::RecvRdmaWithImm,
+                byte_len,
+                imm,
+                qp_num: peer.qp_num,
+            }) {
+                self.error(&peer);
+            }
+        }
+        Step::Done(byte_len)
+    }
+
+    fn read(&mut self, qp: &Arc<QpInner>, wr: &SendWr, remote_addr: u64, rkey: u32) -> Step {
+        let len: u64 = wr.sges.iter().map(|s| u64::from(s.length)).sum();
+        if len > MAX_MESSAGE {
+            return Step::Failed(WcStatus::LocalLengthError);
+        }
+        let peer = match self.peer(qp) {
+            Ok(peer) => peer,
+            Err(step) => return step,
+        };
+        if !Self::allows(&peer, Access::REMOTE_READ) {
+            self.responder_error(&peer, None, WcStatus::RemoteInvalidRequestError);
+            return Step::Failed(WcStatus::RemoteInvalidRequestError);
+        }
+        let mut data = vec![0u8; len as usize];
+        if len > 0 {
+            match resolve_remote(
+                self.device,
+                &peer,
+                rkey,
+                remote_addr,
+                len,
+                Access::REMOTE_READ,
+            ) {
+                Some((memory, offset)) if memory.read_at(offset, &mut data).is_ok() => {}
+                _ => {
+                    self.responder_error(&peer, None, WcStatus::RemoteAccessError);
+                    return Step::Failed(WcStatus::RemoteAccessError);
+                }
+            }
+        }
+        // The response lands in our SGEs, which need local write.
+        match plan_scatter(self.device, qp.pd.id, &wr.sges, data.len()) {
+            Ok(plan) => write_plan(&plan, &data),
+            Err(_) => return Step::Failed(WcStatus::LocalProtectionError),
+        }
+        Step::Done(len as u32)
+    }
+
+    fn atomic(
+        &mut self,
+        qp: &Arc<QpInner>,
+        wr: &SendWr,
+        remote_addr: u64,
+        rkey: u32,
+        op: impl FnOnce(u64) -> u64,
+    ) -> Step {
+        let peer = match self.peer(qp) {
+            Ok(peer) => peer,
+            Err(step) => return step,
+        };
+        if !Self::allows(&peer, Access::REMOTE_ATOMIC) {
+            self.responder_error(&peer, None, WcStatus::RemoteInvalidRequestError);
+            return Step::Failed(WcStatus::RemoteInvalidRequestError);
+        }
+        let Some((memory, offset)) = resolve_remote(
+            self.device,
+            &peer,
+            rkey,
+            remote_addr,
+            8,
+            Access::REMOTE_ATOMIC,
+        ) else {
+            self.responder_error(&peer, None, WcStatus::RemoteAccessError);
+            return Step::Failed(WcStatus::RemoteAccessError);
+        };
+        if remote_addr % 8 != 0 {
+            // rxe: RESPST_ERR_MISALIGNED_ATOMIC, NAK invalid request.
+            self.responder_error(&peer, None, WcStatus::RemoteInvalidRequestError);
+            return Step::Failed(WcStatus::RemoteInvalidRequestError);
+        }
+        // Atomic with respect to every other loopback atomic: all execution holds the
+        // device's execution lock. Like an HCA's atomics, not atomic against CPU stores.
+        let mut old = [0u8; 8];
+        if memory.read_at(offset, &mut old).is_err() {
+            return Step::Failed(WcStatus::RemoteAccessError);
+        }
+        let old = u64::from_ne_bytes(old);
+        let new = op(old);
+        if new != old && memory.write_at(offset, &new.to_ne_bytes()).is_err() {
+            return Step::Failed(WcStatus::RemoteAccessError);
+        }
+        // The original value lands in our SGEs (local write needed), as rxe's completer
+        // does after the responder has executed.
+        match plan_scatter(self.device, qp.pd.id, &wr.sges, 8) {
+            Ok(plan) => write_plan(&plan, &old.to_ne_bytes()),
+            Err(_) => return Step::Failed(WcStatus::LocalProtectionError),
+        }
+        Step::Done(8)
+    }
+
+    fn bind(
+        &mut self,
+        qp: &QpInner,
+        mw: &dyn MemoryWindow,
+        mr: &dyn MemoryRegion,
+        addr: u64,
+        len: u64,
+        access: Access,
+    ) -> Step {
+        let failed = Step::Failed(WcStatus::MemoryWindowBindError);
+        let (Some(mw), Some(mr)) = (
+            mw.as_any().downcast_ref::<LoopbackMw>(),
+            mr.as_any().downcast_ref::<LoopbackMr>(),
+        ) else {
+            return failed;
+        };
+        // Same device and PD (C10-72; rxe checks the QP/MW PD for type 2 only).
+        if !Arc::ptr_eq(&mw.pd.device, self.device)
+            || !Arc::ptr_eq(&mr.pd.device, self.device)
+            || mw.pd.id != qp.pd.id
+            || mr.pd.id != qp.pd.id
+        {
+            return failed;
+        }
+        let Some(reg) = self.device.registration(mr.key) else {
+            return failed;
+        };
+        // C10-73: the MR must allow binding; C10-74: remote write/atomic windows need a
+        // locally writable MR; C10-75: the window lies inside the MR.
+        if !reg.access.contains(Access::MW_BIND) {
+            return failed;
+        }
+        let writes =
+            access.contains(Access::REMOTE_WRITE) || access.contains(Access::REMOTE_ATOMIC);
+        if writes && !reg.access.contains(Access::LOCAL_WRITE) {
+            return failed;
+        }
+        if len > 0 && !reg.contains(addr, len) {
+            return failed;
+        }
+        let mut windows = lock(&self.device.windows);
+        let Some(entry) = windows.get_mut(&mw.index) else {
+            return failed;
+        };
+        match entry.kind {
+            // o10-37.2.30: only a free (unbound or invalidated) type-2 window binds, and
+            // o10-37.2.40: not with length 0.
+            MwType::Type2 if entry.binding.is_some() || len == 0 => return failed,
+            // A type-1 window rebinds freely; length 0 unbinds it.
+            _ => {}
+        }
+        // A new key on every bind, like ibv_inc_rkey: same index, next variant byte.
+        entry.rkey = (entry.rkey & !0xff) | (entry.rkey.wrapping_add(1) & 0xff);
+        entry.binding = (len > 0).then(|| Binding {
+            mr_key: mr.key,
+            addr,
+            len,
+            access,
+            // Type-2 windows are tied to the QP they were bound through.
+            qp: (entry.kind == MwType::Type2).then_some(qp.id),
+        });
+        Step::Done(0)
+    }
+
+    fn invalidate(&mut self, qp: &QpInner, rkey: u32) -> Step {
+        let mut windows = lock(&self.device.windows);
+        match windows.get_mut(&(rkey >> 8)) {
+            // o10-37.2.26: type-1 windows cannot be invalidated. rxe checks neither the PD
+            // nor that this is the QP the window was bound through; the PD is checked here
+            // so a QP can never revoke another PD's window. The rkey stays; the next bind
+            // changes it.
+            Some(entry)
+                if entry.rkey == rkey && entry.kind == MwType::Type2 && entry.pd == qp.pd.id =>
+            {
+                entry.binding = None;
+                Step::Done(0)
+            }
+            // An MR rkey (rxe: only fast-register MRs can be invalidated) or a stale key.
+            _ => Step::Failed(WcStatus::Other(WC_LOC_QP_OP_ERR)),
+        }
+    }
+}
+
+/// Where an rkey access lands: the memory and the offset into it, or `None` for a remote
+/// access error.
+fn resolve_remote(
+    device: &Shared,
+    responder: &QpInner,
+    rkey: u32,
+    addr: u64,
+    len: u64,
+    needed: Access,
+) -> Option<(Arc<SharedMemory>, usize)> {
+    let pd = responder.pd.id;
+    if let Some(reg) = device.registration(rkey) {
+        let ok = reg.pd == pd && reg.access.contains(needed) && reg.contains(addr, len);
+        return ok.then(|| (Arc::clone(&reg.memory), (addr - reg.addr) as usize));
+    }
+    let entry = lock(&device.windows).get(&(rkey >> 8)).cloned()?;
+    let binding = entry.binding?;
+    let usable = entry.rkey == rkey
+        && entry.pd == pd
+        && binding.qp.is_none_or(|bound| bound == responder.id)
+        && binding.access.contains(needed)
+        && (!ENFORCE_WINDOW_BOUNDS || range_inside(addr, len, binding.addr, binding.len));
+    if !usable {
+        return None;
+    }
+    let reg = device.registration(binding.mr_key)?;
+    reg.contains(addr, len)
+        .then(|| (Arc::clone(&reg.memory), (addr - reg.addr) as usize))
+}
+
+/// A local SGE's registration, if `lkey` is registered in `pd`, covers the range and grants
+/// `needed`.
+fn local(device: &Shared, pd: u64, sge: &Sge, len: u64, needed: Access) -> Option<Registration> {
+    device
+        .registration(sge.lkey)
+        .filter(|reg| reg.pd == pd && reg.access.contains(needed) && reg.contains(sge.addr, len))
+}
+
+/// Reads the bytes of a gather list (no access right needed to read local memory).
+fn gather(device: &Shared, pd: u64, sges: &[Sge]) -> std::result::Result<Vec<u8>, WcStatus> {
+    let total: u64 = sges.iter().map(|s| u64::from(s.length)).sum();
+    if total > MAX_MESSAGE {
+        return Err(WcStatus::LocalLengthError);
+    }
+    let mut data = Vec::with_capacity(total as usize);
+    for sge in sges.iter().filter(|s| s.length > 0) {
+        let reg = local(device, pd, sge, u64::from(sge.length), Access::NONE)
+            .ok_or(WcStatus::LocalProtectionError)?;
+        let start = data.len();
+        data.resize(start + sge.length as usize, 0);
+        reg.memory
+            .read_at((sge.addr - reg.addr) as usize, &mut data[start..])
+            .map_err(|_| WcStatus::LocalProtectionError)?;
+    }
+    Ok(data)
+}
+
+enum ScatterError {
+    Length,
+    Protection,
+}
+
+/// Where `len` bytes go in a scatter list: each touched SGE must be registered in `pd`
+/// with local write, and the list must be long enough.
+fn plan_scatter(
+    device: &Shared,
+    pd: u64,
+    sges: &[Sge],
+    len: usize,
+) -> std::result::Result<Vec<(Registration, usize, usize)>, ScatterError> {
+    let mut remaining = len;
+    let mut plan = Vec::new();
+    for sge in sges.iter().filter(|s| s.length > 0) {
+        if remaining == 0 {
+            break;
+        }
+        let n = remaining.min(sge.length as usize);
+        let reg = local(device, pd, sge, n as u64, Access::LOCAL_WRITE)
+            .ok_or(ScatterError::Protection)?;
+        let offset = (sge.addr - reg.addr) as usize;
+        plan.push((reg, offset, n));
+        remaining -= n;
+    }
+    if remaining > 0 {
+        return Err(ScatterError::Length);
+    }
+    Ok(plan)
+}
+
+fn write_plan(plan: &[(Registration, usize, usize)], data: &[u8]) {
+    let mut pos = 0;
+    for (reg, offset, n) in plan {
+        // Checked against the registration when planned; cannot fail.
+        if let Err(e) = reg.memory.write_at(*offset, &data[pos..pos + n]) {
+            tracing::error!("loopback: scatter failed: {e}");
+        }
+        pos += n;
+    }
+}
+
+impl LoopbackQp {
+    fn name(&self) -> &str {
+        &self.inner.pd.device.name
+    }
+
+    fn invalid(&self, message: String) -> ProviderError {
+        ProviderError::invalid(
+            self.name(),
+            format!("QP {:#x}: {message}", self.inner.qp_num),
+        )
+    }
+
+    /// What the verbs provider refuses when posting a bind (so both refuse alike): a
+    /// window or region of another provider or device, or a type-1 window (type-1 windows
+    /// are bound with `ibv_bind_mw`, which the trait does not offer).
+    fn check_bind(&self, wr: &SendWr) -> std::result::Result<(), &'static str> {
+        let SendOp::BindMw { mw, mr, .. } = &wr.op else {
+            return Ok(());
+        };
+        let device = &self.inner.pd.device;
+        let mw = mw
+            .as_any()
+            .downcast_ref::<LoopbackMw>()
+            .ok_or("the window is not a loopback window")?;
+        let mr = mr
+            .as_any()
+            .downcast_ref::<LoopbackMr>()
+            .ok_or("the region is not a loopback region")?;
+        if mw.kind != MwType::Type2 {
+            return Err("only type-2 windows are bound with a work request");
+        }
+        if !Arc::ptr_eq(&mw.pd.device, device) || !Arc::ptr_eq(&mr.pd.device, device) {
+            return Err("the window or region belongs to another device");
+        }
+        Ok(())
+    }
+
+    fn kick_self_and(&self, peer: Option<u32>) {
+        let inner = Arc::clone(&self.inner);
+        drive(&self.inner.pd.device, |ex| {
+            ex.run(&inner);
+            ex.kicks.extend(peer);
+        });
+    }
+}
+
+impl QueuePair for LoopbackQp {
+    fn qp_num(&self) -> u32 {
+        self.inner.qp_num
+    }
+
+    fn state(&self) -> Result<QpState> {
+        Ok(lock(&self.inner.data).state)
+    }
+
+    fn to_init(&self, port: u8, access: Access) -> Result<()> {
+        check_port(self.name(), port)?;
+        let mut data = lock(&self.inner.data);
+        match data.state {
+            QpState::Reset | QpState::Init => {
+                data.state = QpState::Init;
+                data.access = access;
+                Ok(())
+            }
+            state => Err(self.invalid(format!("cannot move from {state:?} to INIT"))),
+        }
+    }
+
+    fn to_rtr(&self, remote: &RemoteEndpoint, attrs: &RtrAttributes) -> Result<()> {
+        check_port(self.name(), attrs.port)?;
+        if !self
+            .inner
+            .pd
+            .device
+            .gids()
+            .iter()
+            .any(|g| g.index == attrs.sgid_index)
+        {
+            return Err(self.invalid(format!("GID index {} does not exist", attrs.sgid_index)));
+        }
+        if ![256, 512, 1024, 2048, 4096].contains(&attrs.path_mtu) || attrs.path_mtu > PORT_MTU {
+            return Err(self.invalid(format!("path MTU {} is not valid", attrs.path_mtu)));
+        }
+        if remote.qp_num > QPN_MASK || remote.psn > QPN_MASK {
+            return Err(self.invalid(format!(
+                "remote QP number {:#x} / PSN {:#x} exceed 24 bits",
+                remote.qp_num, remote.psn
+            )));
+        }
+        if u32::from(attrs.max_dest_rd_atomic) > MAX_QP_RD_ATOM || attrs.min_rnr_timer > 31 {
+            return Err(self.invalid(format!("invalid RTR attributes {attrs:?}")));
+        }
+        {
+            let mut data = lock(&self.inner.data);
+            if data.state != QpState::Init {
+                return Err(self.invalid(format!("cannot move from {:?} to RTR", data.state)));
+            }
+            data.state = QpState::Rtr;
+            data.remote = Some(remote.clone());
+            data.min_rnr_timer = attrs.min_rnr_timer;
+        }
+        // The peer may be retrying towards us already.
+        drive(&self.inner.pd.device, |ex| ex.kicks.push(remote.qp_num));
+        Ok(())
+    }
+
+    fn to_rts(&self, attrs: &RtsAttributes) -> Result<()> {
+        if attrs.psn > QPN_MASK
+            || attrs.timeout > 31
+            || attrs.retry_cnt > 7
+            || attrs.rnr_retry > 7
+            || u32::from(attrs.max_rd_atomic) > MAX_QP_RD_ATOM
+        {
+            return Err(self.invalid(format!("invalid RTS attributes {attrs:?}")));
+        }
+        let mut data = lock(&self.inner.data);
+        match data.state {
+            QpState::Rtr | QpState::Rts => {
+                data.state = QpState::Rts;
+                data.timeout = attrs.timeout;
+                data.retry_cnt = attrs.retry_cnt;
+                data.rnr_retry = attrs.rnr_retry;
+                Ok(())
+            }
+            state => Err(self.invalid(format!("cannot move from {state:?} to RTS"))),
+        }
+    }
+
+    fn to_error(&self) -> Result<()> {
+        let inner = Arc::clone(&self.inner);
+        drive(&self.inner.pd.device, |ex| ex.error(&inner));
+        Ok(())
+    }
+
+    fn post_send(&self, wrs: &[SendWr]) -> Result<()> {
+        let mut posted = 0;
+        let mut refused = None;
+        {
+            let mut data = lock(&self.inner.data);
+            if !matches!(data.state, QpState::Rts | QpState::Error) {
+                // rxe: EINVAL before the send queue is ready. An ERROR QP accepts work and
+                // flushes it.
+                return Err(self.invalid(format!(
+                    "post_send in state {:?}: sends need RTS",
+                    data.state
+                )));
+            }
+            for wr in wrs {
+                if let Err(message) = self.check_bind(wr) {
+                    refused = Some(self.invalid(format!(
+                        "work request {:#x}: {message} ({posted} of {} posted)",
+                        wr.wr_id,
+                        wrs.len()
+                    )));
+                    break;
+                }
+                if wr.sges.len() > self.inner.max_send_sge {
+                    refused = Some(self.invalid(format!(
+                        "work request {:#x} has {} SGEs, more than max_send_sge {} \
+                         ({posted} of {} posted)",
+                        wr.wr_id,
+                        wr.sges.len(),
+                        self.inner.max_send_sge,
+                        wrs.len()
+                    )));
+                    break;
+                }
+                if data.sq.len() >= self.inner.max_send_wr {
+                    tracing::debug!(
+                        "loopback QP {:#x}: send queue full, {posted} of {} posted",
+                        self.inner.qp_num,
+                        wrs.len()
+                    );
+                    refused = Some(os_error(self.name(), "ibv_post_send", libc::ENOMEM));
+                    break;
+                }
+                data.sq.push_back(Pending {
+                    wr: wr.clone(),
+                    waiting: None,
+                });
+                posted += 1;
+            }
+        }
+        if posted > 0 {
+            self.kick_self_and(None);
+        }
+        refused.map_or(Ok(()), Err)
+    }
+
+    fn post_recv(&self, wrs: &[RecvWr]) -> Result<()> {
+        let mut posted = 0;
+        let mut refused = None;
+        let peer;
+        {
+            let mut data = lock(&self.inner.data);
+            if data.state == QpState::Reset {
+                return Err(self.invalid("post_recv in state Reset".to_owned()));
+            }
+            peer = data.remote.as_ref().map(|r| r.qp_num);
+            for wr in wrs {
+                if wr.sges.len() > self.inner.max_recv_sge {
+                    refused = Some(self.invalid(format!(
+                        "receive {:#x} has {} SGEs, more than max_recv_sge {} \
+                         ({posted} of {} posted)",
+                        wr.wr_id,
+                        wr.sges.len(),
+                        self.inner.max_recv_sge,
+                        wrs.len()
+                    )));
+                    break;
+                }
+                if data.rq.len() >= self.inner.max_recv_wr {
+                    tracing::debug!(
+                        "loopback QP {:#x}: receive queue full, {posted} of {} posted",
+                        self.inner.qp_num,
+                        wrs.len()
+                    );
+                    refused = Some(os_error(self.name(), "ibv_post_recv", libc::ENOMEM));
+                    break;
+                }
+                data.rq.push_back(wr.clone());
+                posted += 1;
+            }
+        }
+        if posted > 0 {
+            // Flushes us if we are in error; lets a peer waiting on RNR deliver.
+            self.kick_self_and(peer);
+        }
+        refused.map_or(Ok(()), Err)
+    }
+
+    fn as_any(&self) -> &dyn std::any::Any {
+        self
+    }
+}
+
+impl Drop for LoopbackQp {
+    fn drop(&mut self) {
+        let device = Arc::clone(&self.inner.pd.device);
+        let id = self.inner.id;
+        let still_bound = lock(&device.windows)
+            .values()
+            .filter(|w| w.binding.as_ref().is_some_and(|b| b.qp == Some(id)))
+            .count();
+        if still_bound > 0 {
+            // rxe blocks ~50 s (and WARNs) destroying a QP with a valid type-2 window; here
+            // the windows simply stop working. Flag it: the same code would hang on rxe.
+            tracing::warn!(
+                "loopback {}: QP {:#x} destroyed with {still_bound} type-2 window(s) still bound \
+                 through it (rxe would block ~50 s): invalidate windows before their QP",
+                device.name,
+                self.inner.qp_num
+            );
+        }
+        let inner = &self.inner;
+        drive(&device, |ex| {
+            {
+                let mut qps = lock(&device.qps);
+                if qps
+                    .get(&inner.qp_num)
+                    .is_some_and(|w| std::ptr::eq(w.as_ptr(), Arc::as_ptr(inner)))
+                {
+                    qps.remove(&inner.qp_num);
+                }
+            }
+            // Destroying a QP completes nothing; its work requests are discarded.
+            let (sq, rq, peer) = {
+                let mut data = lock(&inner.data);
+                data.state = QpState::Error;
+                (
+                    std::mem::take(&mut data.sq),
+                    std::mem::take(&mut data.rq),
+                    data.remote.as_ref().map(|r| r.qp_num),
+                )
+            };
+            drop((sq, rq));
+            // A peer waiting on us now times out.
+            ex.kicks.extend(peer);
+        });
+    }
+}

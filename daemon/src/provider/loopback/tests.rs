@@ -1,0 +1,940 @@
+use std::time::{Duration, Instant};
+
+use super::*;
+use crate::provider::{
+    conformance, conformance_data, QpState, RecvWr, RemoteEndpoint, RtrAttributes, RtsAttributes,
+    SendOp, SendWr, Sge, WcOpcode, WcStatus, WorkCompletion,
+};
+
+#[test]
+fn loopback_conformance() {
+    conformance::run_all(&LoopbackDevice::new(DEFAULT_NAME));
+}
+
+#[test]
+fn loopback_data_path_conformance() {
+    let dev = LoopbackDevice::new(DEFAULT_NAME);
+    conformance_data::run_all(&dev);
+    assert_eq!(dev.object_counts(), ObjectCounts::default());
+}
+
+#[test]
+fn deregistered_keys_stop_resolving_and_bounds_are_checked() {
+    let dev = LoopbackDevice::new("lo-test");
+    let pd = dev.alloc_pd().unwrap();
+    let mem = Arc::new(SharedMemory::create(c"t", 8192).unwrap());
+    let mr = pd.register(Arc::clone(&mem), Access::LOCAL_WRITE).unwrap();
+    let (lkey, addr) = (mr.lkey(), mr.addr());
+    dev.check_local_access(lkey, addr, 8192, Access::LOCAL_WRITE)
+        .unwrap();
+    dev.check_local_access(lkey, addr + 4096, 4096, Access::NONE)
+        .unwrap();
+    assert!(dev
+        .check_local_access(lkey, addr + 4096, 4097, Access::NONE)
+        .is_err());
+    assert!(dev
+        .check_local_access(lkey, addr - 1, 2, Access::NONE)
+        .is_err());
+    assert!(dev
+        .check_local_access(lkey, addr, 8, Access::REMOTE_READ)
+        .is_err());
+    assert!(dev
+        .check_local_access(lkey ^ 0x100, addr, 8, Access::NONE)
+        .is_err());
+    drop(mr);
+    assert!(dev.check_local_access(lkey, addr, 8, Access::NONE).is_err());
+}
+
+const ALL_REMOTE: Access = Access::REMOTE_WRITE
+    .union(Access::REMOTE_READ)
+    .union(Access::REMOTE_ATOMIC);
+
+/// One QP with its CQ and a registered buffer. Field order is drop order.
+struct End {
+    qp: Arc<dyn QueuePair>,
+    cq: Arc<dyn CompletionQueue>,
+    mr: Arc<dyn MemoryRegion>,
+    pd: Arc<dyn ProtectionDomain>,
+}
+
+struct Opts {
+    depth: u32,
+    cq_depth: u32,
+    mr_access: Access,
+    qp_access: Access,
+    rnr_retry: u8,
+    timeout: u8,
+    retry_cnt: u8,
+}
+
+impl Default for Opts {
+    fn default() -> Self {
+        Opts {
+            depth: 16,
+            cq_depth: 64,
+            mr_access: Access::LOCAL_WRITE | Access::MW_BIND,
+            qp_access: ALL_REMOTE,
+            rnr_retry: 7,
+            timeout: 14,
+            retry_cnt: 7,
+        }
+    }
+}
+
+impl End {
+    fn new(dev: &LoopbackDevice, pd: Option<&Arc<dyn ProtectionDomain>>, opts: &Opts) -> End {
+        let pd = pd.map_or_else(|| dev.alloc_pd().unwrap(), Arc::clone);
+        let mem = Arc::new(SharedMemory::create(c"lo-qp", 8192).unwrap());
+        let mr = pd.register(mem, opts.mr_access).unwrap();
+        let cq = pd.create_cq(opts.cq_depth).unwrap();
+        let qp = pd
+            .create_qp(QpInit {
+                send_cq: Arc::clone(&cq),
+                recv_cq: Arc::clone(&cq),
+                max_send_wr: opts.depth,
+                max_recv_wr: opts.depth,
+                max_send_sge: 4,
+                max_recv_sge: 4,
+                max_inline_data: 0,
+            })
+            .unwrap();
+        End { qp, cq, mr, pd }
+    }
+
+    fn endpoint(&self) -> RemoteEndpoint {
+        RemoteEndpoint {
+            gid: std::net::Ipv4Addr::LOCALHOST.to_ipv6_mapped(),
+            qp_num: self.qp.qp_num(),
+            psn: 0,
+            lid: 0,
+        }
+    }
+
+    fn connect(&self, remote: &RemoteEndpoint, opts: &Opts) {
+        self.qp.to_init(1, opts.qp_access).unwrap();
+        self.qp.to_rtr(remote, &rtr()).unwrap();
+        self.qp.to_rts(&rts(opts)).unwrap();
+    }
+
+    fn sge(&self, offset: u64, length: u32) -> Sge {
+        Sge {
+            addr: self.mr.addr() + offset,
+            length,
+            lkey: self.mr.lkey(),
+        }
+    }
+
+    fn post(&self, wr_id: u64, op: SendOp, sges: Vec<Sge>) -> Result<()> {
+        self.qp.post_send(&[SendWr {
+            wr_id,
+            op,
+            sges,
+            signaled: true,
+        }])
+    }
+
+    fn recv(&self, wr_id: u64, sges: Vec<Sge>) -> Result<()> {
+        self.qp.post_recv(&[RecvWr { wr_id, sges }])
+    }
+
+    fn polled(&self) -> Vec<WorkCompletion> {
+        let mut out = Vec::new();
+        self.cq.poll(&mut out, 1000).unwrap();
+        out
+    }
+
+    fn wait(&self) -> WorkCompletion {
+        let start = Instant::now();
+        let mut out = Vec::new();
+        loop {
+            self.cq.poll(&mut out, 1).unwrap();
+            if let Some(wc) = out.pop() {
+                return wc;
+            }
+            assert!(start.elapsed() < Duration::from_secs(10), "no completion");
+            std::thread::sleep(Duration::from_millis(1));
+        }
+    }
+
+    fn read(&self, offset: usize, len: usize) -> Vec<u8> {
+        let mut buf = vec![0; len];
+        self.mr.memory().read_at(offset, &mut buf).unwrap();
+        buf
+    }
+
+    fn bind(&self, mw: &Arc<dyn MemoryWindow>, offset: u64, len: u64, access: Access) -> WcStatus {
+        self.post(
+            900,
+            SendOp::BindMw {
+                mw: Arc::clone(mw),
+                mr: Arc::clone(&self.mr),
+                addr: self.mr.addr() + offset,
+                len,
+                access,
+            },
+            vec![],
+        )
+        .unwrap();
+        let wc = self.wait();
+        assert_eq!(wc.opcode, WcOpcode::BindMw);
+        wc.status
+    }
+}
+
+fn rtr() -> RtrAttributes {
+    RtrAttributes {
+        port: 1,
+        sgid_index: 1,
+        path_mtu: 4096,
+        max_dest_rd_atomic: 1,
+        min_rnr_timer: 1,
+    }
+}
+
+fn rts(opts: &Opts) -> RtsAttributes {
+    RtsAttributes {
+        psn: 0,
+        timeout: opts.timeout,
+        retry_cnt: opts.retry_cnt,
+        rnr_retry: opts.rnr_retry,
+        max_rd_atomic: 1,
+    }
+}
+
+fn pair(dev: &LoopbackDevice, opts: &Opts) -> (End, End) {
+    let a = End::new(dev, None, opts);
+    let b = End::new(dev, None, opts);
+    a.connect(&b.endpoint(), opts);
+    b.connect(&a.endpoint(), opts);
+    (a, b)
+}
+
+fn send(_wr_id: u64) -> SendOp {
+    SendOp::Send { imm: None }
+}
+
+fn is_invalid<T: std::fmt::Debug>(r: Result<T>) -> bool {
+    matches!(r, Err(ProviderError::InvalidArgument { .. }))
+}
+
+fn is_enomem<T: std::fmt::Debug>(r: Result<T>) -> bool {
+    matches!(&r, Err(ProviderError::Os { source, .. }) if source.raw_os_error() == Some(libc::ENOMEM))
+}
+
+#[test]
+fn state_machine_refuses_wrong_transitions_and_early_posts() {
+    let dev = LoopbackDevice::new("lo-sm");
+    let opts = Opts::default();
+    let a = End::new(&dev, None, &opts);
+    let b = End::new(&dev, None, &opts);
+    let qp = &a.qp;
+    assert_eq!(qp.state().unwrap(), QpState::Reset);
+    assert!(is_invalid(qp.to_rtr(&b.endpoint(), &rtr())));
+    assert!(is_invalid(qp.to_rts(&rts(&opts))));
+    assert!(is_invalid(a.recv(1, vec![])), "recv in RESET");
+    assert!(is_invalid(a.post(1, send(1), vec![])), "send in RESET");
+    assert!(is_invalid(qp.to_init(2, ALL_REMOTE)), "bad port");
+    qp.to_init(1, ALL_REMOTE).unwrap();
+    qp.to_init(1, ALL_REMOTE).unwrap(); // INIT → INIT is allowed
+    a.recv(1, vec![]).unwrap(); // receives may be posted from INIT on
+    assert!(is_invalid(a.post(1, send(1), vec![])), "send in INIT");
+    assert!(is_invalid(qp.to_rts(&rts(&opts))));
+    let mut bad = rtr();
+    bad.sgid_index = 7;
+    assert!(is_invalid(qp.to_rtr(&b.endpoint(), &bad)));
+    bad = rtr();
+    bad.path_mtu = 1000;
+    assert!(is_invalid(qp.to_rtr(&b.endpoint(), &bad)));
+    qp.to_rtr(&b.endpoint(), &rtr()).unwrap();
+    assert!(is_invalid(a.post(1, send(1), vec![])), "send in RTR");
+    assert!(is_invalid(qp.to_init(1, ALL_REMOTE)));
+    let mut bad_rts = rts(&opts);
+    bad_rts.rnr_retry = 8;
+    assert!(is_invalid(qp.to_rts(&bad_rts)));
+    qp.to_rts(&rts(&opts)).unwrap();
+    qp.to_rts(&rts(&opts)).unwrap(); // RTS → RTS is allowed
+    assert!(is_invalid(qp.to_rtr(&b.endpoint(), &rtr())));
+    qp.to_error().unwrap();
+    assert_eq!(qp.state().unwrap(), QpState::Error);
+    let flushed = a.polled();
+    assert_eq!(flushed.len(), 1);
+    assert_eq!(
+        (flushed[0].wr_id, flushed[0].status, flushed[0].opcode),
+        (1, WcStatus::WrFlushError, WcOpcode::Recv)
+    );
+    assert!(is_invalid(qp.to_rts(&rts(&opts))));
+    // Work posted to an ERROR QP is accepted and flushed.
+    a.post(5, send(5), vec![]).unwrap();
+    a.recv(6, vec![]).unwrap();
+    let flushed = a.polled();
+    assert_eq!(
+        flushed
+            .iter()
+            .map(|w| (w.wr_id, w.status))
+            .collect::<Vec<_>>(),
+        [(5, WcStatus::WrFlushError), (6, WcStatus::WrFlushError)]
+    );
+}
+
+#[test]
+fn qp_numbers_are_unique_24_bit() {
+    let dev = LoopbackDevice::new("lo-qpn");
+    let opts = Opts::default();
+    let ends: Vec<End> = (0..8).map(|_| End::new(&dev, None, &opts)).collect();
+    let mut nums: Vec<u32> = ends.iter().map(|e| e.qp.qp_num()).collect();
+    assert!(nums.iter().all(|&n| n > 1 && n <= 0xff_ffff));
+    nums.sort_unstable();
+    nums.dedup();
+    assert_eq!(nums.len(), 8);
+    assert_eq!(dev.object_counts().qps, 8);
+    drop(ends);
+    assert_eq!(dev.object_counts(), ObjectCounts::default());
+}
+
+#[test]
+fn send_waits_for_a_receive_then_delivers_in_order() {
+    let dev = LoopbackDevice::new("lo-rnr");
+    let (a, b) = pair(&dev, &Opts::default());
+    a.mr.memory().write_at(0, b"first second").unwrap();
+    a.post(1, SendOp::Send { imm: Some(9) }, vec![a.sge(0, 5)])
+        .unwrap();
+    a.post(2, send(2), vec![a.sge(6, 6)]).unwrap();
+    std::thread::sleep(Duration::from_millis(20));
+    assert!(
+        a.polled().is_empty(),
+        "RNR: nothing completes without a receive"
+    );
+    assert!(b.polled().is_empty());
+    b.recv(10, vec![b.sge(0, 64)]).unwrap();
+    let got = b.wait();
+    assert_eq!(
+        (got.wr_id, got.status, got.byte_len, got.imm),
+        (10, WcStatus::Success, 5, Some(9))
+    );
+    assert_eq!(a.wait().wr_id, 1);
+    assert!(
+        a.polled().is_empty(),
+        "the second send waits for the next receive"
+    );
+    b.recv(11, vec![b.sge(100, 64)]).unwrap();
+    assert_eq!(b.wait().wr_id, 11);
+    assert_eq!(a.wait().wr_id, 2);
+    assert_eq!(b.read(0, 5), b"first");
+    assert_eq!(b.read(100, 6), b"second");
+}
+
+#[test]
+fn finite_rnr_retry_gives_up() {
+    let dev = LoopbackDevice::new("lo-rnr-finite");
+    let opts = Opts {
+        rnr_retry: 2,
+        ..Opts::default()
+    };
+    let (a, _b) = pair(&dev, &opts);
+    a.post(1, send(1), vec![]).unwrap();
+    a.post(2, send(2), vec![]).unwrap();
+    let wc = a.wait();
+    assert_eq!((wc.wr_id, wc.status), (1, WcStatus::RnrRetryExceeded));
+    assert_eq!(a.wait().status, WcStatus::WrFlushError);
+    assert_eq!(a.qp.state().unwrap(), QpState::Error);
+
+    let opts = Opts {
+        rnr_retry: 0,
+        ..Opts::default()
+    };
+    let (a, _b) = pair(&dev, &opts);
+    a.post(3, send(3), vec![]).unwrap();
+    assert_eq!(a.polled()[0].status, WcStatus::RnrRetryExceeded);
+}
+
+#[test]
+fn missing_peer_is_retry_exceeded() {
+    let dev = LoopbackDevice::new("lo-nopeer");
+    let opts = Opts {
+        timeout: 1,
+        ..Opts::default()
+    };
+    let a = End::new(&dev, None, &opts);
+    let mut nowhere = a.endpoint();
+    nowhere.qp_num = 0xabcdef;
+    a.connect(&nowhere, &opts);
+    a.post(1, send(1), vec![]).unwrap();
+    let wc = a.wait();
+    assert_eq!((wc.wr_id, wc.status), (1, WcStatus::RetryExceeded));
+    assert_eq!(a.qp.state().unwrap(), QpState::Error);
+}
+
+#[test]
+fn peer_connecting_late_still_receives() {
+    // As on a real transport, a request retries until the peer reaches RTR.
+    let dev = LoopbackDevice::new("lo-late");
+    let opts = Opts::default();
+    let a = End::new(&dev, None, &opts);
+    let b = End::new(&dev, None, &opts);
+    a.connect(&b.endpoint(), &opts);
+    a.post(1, send(1), vec![]).unwrap();
+    b.qp.to_init(1, ALL_REMOTE).unwrap();
+    b.recv(2, vec![]).unwrap();
+    assert!(a.polled().is_empty());
+    b.qp.to_rtr(&a.endpoint(), &rtr()).unwrap();
+    assert_eq!(a.wait().status, WcStatus::Success);
+    assert_eq!(b.wait().wr_id, 2);
+}
+
+#[test]
+fn errors_flush_later_requests_in_order() {
+    let dev = LoopbackDevice::new("lo-flush");
+    let (a, b) = pair(&dev, &Opts::default());
+    // Bad lkey first, then two good sends: the second and third are flushed.
+    let mut bad = a.sge(0, 8);
+    bad.lkey ^= 0x100;
+    a.qp.post_send(&[
+        SendWr {
+            wr_id: 1,
+            op: send(1),
+            sges: vec![bad],
+            signaled: true,
+        },
+        SendWr {
+            wr_id: 2,
+            op: send(2),
+            sges: vec![],
+            signaled: false,
+        },
+        SendWr {
+            wr_id: 3,
+            op: send(3),
+            sges: vec![],
+            signaled: true,
+        },
+    ])
+    .unwrap();
+    let got: Vec<_> = a.polled().iter().map(|w| (w.wr_id, w.status)).collect();
+    assert_eq!(
+        got,
+        [
+            (1, WcStatus::LocalProtectionError),
+            (2, WcStatus::WrFlushError),
+            (3, WcStatus::WrFlushError)
+        ]
+    );
+    // to_error on the receiver flushes its receives.
+    b.recv(7, vec![]).unwrap();
+    b.recv(8, vec![]).unwrap();
+    b.qp.to_error().unwrap();
+    let got: Vec<_> = b.polled().iter().map(|w| (w.wr_id, w.status)).collect();
+    assert_eq!(
+        got,
+        [(7, WcStatus::WrFlushError), (8, WcStatus::WrFlushError)]
+    );
+}
+
+#[test]
+fn queue_depths_are_enforced() {
+    let dev = LoopbackDevice::new("lo-depth");
+    let opts = Opts {
+        depth: 2,
+        ..Opts::default()
+    };
+    let (a, b) = pair(&dev, &opts);
+    // Sends wait (RNR), so they stay outstanding.
+    let wrs: Vec<SendWr> = (0..3)
+        .map(|i| SendWr {
+            wr_id: i,
+            op: send(i),
+            sges: vec![],
+            signaled: true,
+        })
+        .collect();
+    assert!(is_enomem(a.qp.post_send(&wrs)));
+    assert!(is_enomem(a.post(9, send(9), vec![])));
+    // Too many SGEs is EINVAL.
+    assert!(is_invalid(b.recv(1, vec![b.sge(0, 1); 5])));
+    // The two posted sends consume receives and free their slots.
+    b.qp.post_recv(&[
+        RecvWr {
+            wr_id: 1,
+            sges: vec![],
+        },
+        RecvWr {
+            wr_id: 2,
+            sges: vec![],
+        },
+    ])
+    .unwrap();
+    assert_eq!(a.polled().len(), 2);
+    a.post(3, send(3), vec![]).unwrap();
+    // The receive queue holds two.
+    let c = End::new(&dev, None, &opts);
+    c.qp.to_init(1, ALL_REMOTE).unwrap();
+    c.recv(1, vec![]).unwrap();
+    c.recv(2, vec![]).unwrap();
+    assert!(is_enomem(c.recv(3, vec![])));
+}
+
+#[test]
+fn send_larger_than_receive_is_a_length_error() {
+    let dev = LoopbackDevice::new("lo-len");
+    let (a, b) = pair(&dev, &Opts::default());
+    b.recv(1, vec![b.sge(0, 4)]).unwrap();
+    a.post(2, send(2), vec![a.sge(0, 8)]).unwrap();
+    let wc = b.wait();
+    assert_eq!((wc.wr_id, wc.status), (1, WcStatus::LocalLengthError));
+    assert_eq!(a.wait().status, WcStatus::RemoteInvalidRequestError);
+    assert_eq!(a.qp.state().unwrap(), QpState::Error);
+    assert_eq!(b.qp.state().unwrap(), QpState::Error);
+}
+
+#[test]
+fn receive_buffer_must_be_locally_writable() {
+    let dev = LoopbackDevice::new("lo-lw");
+    let opts = Opts::default();
+    let a = End::new(&dev, None, &opts);
+    let b = End::new(
+        &dev,
+        None,
+        &Opts {
+            mr_access: Access::NONE,
+            ..Opts::default()
+        },
+    );
+    a.connect(&b.endpoint(), &opts);
+    b.connect(&a.endpoint(), &opts);
+    b.recv(1, vec![b.sge(0, 16)]).unwrap();
+    a.post(2, send(2), vec![a.sge(0, 8)]).unwrap();
+    assert_eq!(b.wait().status, WcStatus::LocalProtectionError);
+    assert_eq!(a.wait().status, WcStatus::RemoteOperationError);
+    // RDMA READ into a buffer without local write is a local protection error.
+    let (a, b) = pair(&dev, &opts);
+    let mw = b.pd.alloc_mw(MwType::Type2).unwrap();
+    assert_eq!(b.bind(&mw, 0, 4096, Access::REMOTE_READ), WcStatus::Success);
+    let ro =
+        a.pd.register(Arc::clone(a.mr.memory()), Access::NONE)
+            .unwrap();
+    let sge = Sge {
+        addr: ro.addr(),
+        length: 8,
+        lkey: ro.lkey(),
+    };
+    a.post(
+        3,
+        SendOp::Read {
+            remote_addr: b.mr.addr(),
+            rkey: mw.rkey(),
+        },
+        vec![sge],
+    )
+    .unwrap();
+    assert_eq!(a.wait().status, WcStatus::LocalProtectionError);
+}
+
+#[test]
+fn qp_access_flags_gate_remote_operations() {
+    let dev = LoopbackDevice::new("lo-qpacc");
+    let opts = Opts::default();
+    let a = End::new(&dev, None, &opts);
+    let b = End::new(&dev, None, &opts);
+    a.connect(&b.endpoint(), &opts);
+    b.connect(
+        &a.endpoint(),
+        &Opts {
+            qp_access: Access::REMOTE_READ,
+            ..Opts::default()
+        },
+    );
+    let mw = b.pd.alloc_mw(MwType::Type2).unwrap();
+    assert_eq!(b.bind(&mw, 0, 4096, ALL_REMOTE), WcStatus::Success);
+    a.post(
+        1,
+        SendOp::Write {
+            remote_addr: b.mr.addr(),
+            rkey: mw.rkey(),
+            imm: None,
+        },
+        vec![a.sge(0, 8)],
+    )
+    .unwrap();
+    assert_eq!(a.wait().status, WcStatus::RemoteInvalidRequestError);
+    assert_eq!(
+        b.qp.state().unwrap(),
+        QpState::Error,
+        "class C: responder errors too"
+    );
+    drop(mw);
+}
+
+#[test]
+fn window_types_keys_and_bounds() {
+    let dev = LoopbackDevice::new("lo-mw");
+    let opts = Opts::default();
+    let (a, b) = pair(&dev, &opts);
+    // A second QP in b's PD, connected to a third QP.
+    let c = End::new(&dev, None, &opts);
+    let b2 = End::new(&dev, Some(&b.pd), &opts);
+    b2.connect(&c.endpoint(), &opts);
+    c.connect(&b2.endpoint(), &opts);
+
+    let write = |from: &End, to: &End, rkey: u32, offset: u64, len: u32| -> WcStatus {
+        from.post(
+            1,
+            SendOp::Write {
+                remote_addr: to.mr.addr() + offset,
+                rkey,
+                imm: None,
+            },
+            vec![from.sge(0, len)],
+        )
+        .unwrap();
+        from.wait().status
+    };
+
+    // Type 2 bound through b2: usable by c (b2's peer), not through b.
+    let mw2 = b.pd.alloc_mw(MwType::Type2).unwrap();
+    let before = mw2.rkey();
+    assert_eq!(
+        b2.bind(&mw2, 0, 8192, Access::REMOTE_WRITE),
+        WcStatus::Success
+    );
+    let rkey = mw2.rkey();
+    assert_eq!(rkey >> 8, before >> 8, "same window index");
+    assert_eq!(rkey & 0xff, (before + 1) & 0xff, "next variant byte");
+    // The window lies over b2's MR: c (b2's peer) writes through it.
+    assert_eq!(write(&c, &b2, rkey, 0, 8), WcStatus::Success);
+    // Through b (same PD, another QP), at the same address: refused.
+    a.post(
+        1,
+        SendOp::Write {
+            remote_addr: b2.mr.addr(),
+            rkey,
+            imm: None,
+        },
+        vec![a.sge(0, 8)],
+    )
+    .unwrap();
+    assert_eq!(
+        a.wait().status,
+        WcStatus::RemoteAccessError,
+        "a type-2 window works only through the QP it was bound through"
+    );
+
+    // Type 1: allocates, but is not bound with a work request (as the verbs provider).
+    let (a, b) = pair(&dev, &opts);
+    let mw1 = b.pd.alloc_mw(MwType::Type1).unwrap();
+    assert_eq!(mw1.kind(), MwType::Type1);
+    let bind1 = SendWr {
+        wr_id: 5,
+        op: SendOp::BindMw {
+            mw: Arc::clone(&mw1),
+            mr: Arc::clone(&b.mr),
+            addr: b.mr.addr(),
+            len: 64,
+            access: Access::REMOTE_WRITE,
+        },
+        sges: vec![],
+        signaled: true,
+    };
+    assert!(is_invalid(b.qp.post_send(&[bind1])));
+    assert_eq!(
+        b.qp.state().unwrap(),
+        QpState::Rts,
+        "refused at post, not failed"
+    );
+    // A never-bound type-1 rkey grants nothing.
+    assert_eq!(write(&a, &b, mw1.rkey(), 0, 8), WcStatus::RemoteAccessError);
+    // A type-1 key cannot be invalidated.
+    let (_a, b) = pair(&dev, &opts);
+    let mw1 = b.pd.alloc_mw(MwType::Type1).unwrap();
+    b.post(6, SendOp::LocalInvalidate { rkey: mw1.rkey() }, vec![])
+        .unwrap();
+    assert_eq!(b.wait().status, WcStatus::Other(2));
+    // Window bounds: [0, 4096) of an 8192-byte MR (stricter than rxe, see qp.rs).
+    let (a, b) = pair(&dev, &opts);
+    let mw = b.pd.alloc_mw(MwType::Type2).unwrap();
+    assert_eq!(
+        b.bind(&mw, 0, 4096, Access::REMOTE_WRITE),
+        WcStatus::Success
+    );
+    assert_eq!(
+        write(&a, &b, mw.rkey(), 4090, 8),
+        WcStatus::RemoteAccessError,
+        "beyond the window (inside the MR)"
+    );
+}
+
+#[test]
+fn type2_rebind_invalidate_and_drop() {
+    let dev = LoopbackDevice::new("lo-mw2");
+    let opts = Opts::default();
+    let (a, b) = pair(&dev, &opts);
+    let mw = b.pd.alloc_mw(MwType::Type2).unwrap();
+    assert_eq!(
+        b.bind(&mw, 0, 4096, Access::REMOTE_WRITE),
+        WcStatus::Success
+    );
+    let (a2, b2) = pair(&dev, &opts);
+    // A bound type-2 window cannot be bound again.
+    let mw_b2 = b2.pd.alloc_mw(MwType::Type2).unwrap();
+    assert_eq!(
+        b2.bind(&mw_b2, 0, 4096, Access::REMOTE_WRITE),
+        WcStatus::Success
+    );
+    assert_eq!(
+        b2.bind(&mw_b2, 0, 4096, Access::REMOTE_WRITE),
+        WcStatus::MemoryWindowBindError
+    );
+    assert_eq!(
+        b2.qp.state().unwrap(),
+        QpState::Error,
+        "a bind error is fatal"
+    );
+    drop((a2, b2));
+    // Invalidate, then bind again: a new key, the old one dead.
+    let old = mw.rkey();
+    b.post(7, SendOp::LocalInvalidate { rkey: old }, vec![])
+        .unwrap();
+    assert_eq!(b.wait().status, WcStatus::Success);
+    assert_eq!(
+        b.bind(&mw, 0, 4096, Access::REMOTE_WRITE),
+        WcStatus::Success
+    );
+    let new = mw.rkey();
+    assert_ne!(old, new);
+    a.post(
+        8,
+        SendOp::Write {
+            remote_addr: b.mr.addr(),
+            rkey: new,
+            imm: None,
+        },
+        vec![a.sge(0, 8)],
+    )
+    .unwrap();
+    assert_eq!(a.wait().status, WcStatus::Success);
+    // Dropping the window kills its key.
+    drop(mw);
+    a.post(
+        9,
+        SendOp::Write {
+            remote_addr: b.mr.addr(),
+            rkey: new,
+            imm: None,
+        },
+        vec![a.sge(0, 8)],
+    )
+    .unwrap();
+    assert_eq!(a.wait().status, WcStatus::RemoteAccessError);
+}
+
+#[test]
+fn bind_needs_mw_bind_on_the_mr() {
+    let dev = LoopbackDevice::new("lo-mwbind");
+    let opts = Opts {
+        mr_access: Access::LOCAL_WRITE,
+        ..Opts::default()
+    };
+    let (_a, b) = pair(&dev, &opts);
+    let mw = b.pd.alloc_mw(MwType::Type2).unwrap();
+    assert_eq!(
+        b.bind(&mw, 0, 4096, Access::REMOTE_WRITE),
+        WcStatus::MemoryWindowBindError
+    );
+}
+
+#[test]
+fn mr_with_remote_rights_works_and_misaligned_atomics_fail() {
+    let dev = LoopbackDevice::new("lo-mr");
+    let opts = Opts {
+        mr_access: Access::LOCAL_WRITE | ALL_REMOTE,
+        ..Opts::default()
+    };
+    let (a, b) = pair(&dev, &opts);
+    a.post(
+        1,
+        SendOp::FetchAdd {
+            remote_addr: b.mr.addr() + 8,
+            rkey: b.mr.rkey(),
+            add: 5,
+        },
+        vec![a.sge(0, 8)],
+    )
+    .unwrap();
+    assert_eq!(a.wait().status, WcStatus::Success);
+    assert_eq!(b.read(8, 8), 5u64.to_ne_bytes());
+    a.post(
+        2,
+        SendOp::FetchAdd {
+            remote_addr: b.mr.addr() + 4,
+            rkey: b.mr.rkey(),
+            add: 5,
+        },
+        vec![a.sge(0, 8)],
+    )
+    .unwrap();
+    assert_eq!(a.wait().status, WcStatus::RemoteInvalidRequestError);
+}
+
+#[test]
+fn event_fd_wakes_only_when_armed() {
+    let dev = LoopbackDevice::new("lo-ev");
+    let (a, b) = pair(&dev, &Opts::default());
+    assert_eq!(b.cq.acknowledge_events().unwrap(), 0);
+    b.recv(1, vec![]).unwrap();
+    a.post(1, send(1), vec![]).unwrap();
+    assert_eq!(b.cq.acknowledge_events().unwrap(), 0, "not armed: no event");
+    assert_eq!(b.polled().len(), 1);
+    b.cq.arm().unwrap();
+    b.recv(2, vec![]).unwrap();
+    b.recv(3, vec![]).unwrap();
+    let fd = b.cq.event_fd();
+    let poster = {
+        let qp = Arc::clone(&a.qp);
+        std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(20));
+            qp.post_send(&[
+                SendWr {
+                    wr_id: 2,
+                    op: send(2),
+                    sges: vec![],
+                    signaled: true,
+                },
+                SendWr {
+                    wr_id: 3,
+                    op: send(3),
+                    sges: vec![],
+                    signaled: true,
+                },
+            ])
+            .unwrap();
+        })
+    };
+    // Sleep on the descriptor the way a worker does.
+    let woke = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap()
+        .block_on(async move {
+            // The CQ (and so the descriptor) outlives this registration, which is all the
+            // deprecated constructor's I/O-safety caveat is about.
+            #[allow(deprecated)]
+            let afd = tokio::io::unix::AsyncFd::new(fd).unwrap();
+            tokio::time::timeout(Duration::from_secs(10), afd.readable())
+                .await
+                .is_ok()
+        });
+    poster.join().unwrap();
+    assert!(woke, "event_fd became readable");
+    assert_eq!(b.cq.acknowledge_events().unwrap(), 1, "one event per arm");
+    assert_eq!(b.cq.acknowledge_events().unwrap(), 0);
+    assert_eq!(b.polled().len(), 2);
+}
+
+#[test]
+fn cq_overflow_puts_the_qp_in_error() {
+    let dev = LoopbackDevice::new("lo-ovf");
+    let opts = Opts {
+        cq_depth: 2,
+        ..Opts::default()
+    };
+    let (a, _b) = pair(&dev, &opts);
+    for i in 0..3 {
+        let mw = a.pd.alloc_mw(MwType::Type2).unwrap();
+        a.post(
+            i,
+            SendOp::BindMw {
+                mw,
+                mr: Arc::clone(&a.mr),
+                addr: a.mr.addr(),
+                len: 8,
+                access: Access::REMOTE_READ,
+            },
+            vec![],
+        )
+        .unwrap();
+    }
+    assert_eq!(a.qp.state().unwrap(), QpState::Error);
+    let cq = a.cq.as_any().downcast_ref::<cq::LoopbackCq>().unwrap();
+    assert!(cq.inner.overflows() >= 1);
+    assert_eq!(a.polled().len(), 2);
+}
+
+#[test]
+fn two_qps_hammering_each_other_do_not_deadlock() {
+    let dev = LoopbackDevice::new("lo-hammer");
+    let opts = Opts {
+        depth: 64,
+        cq_depth: 4096,
+        mr_access: Access::LOCAL_WRITE | ALL_REMOTE,
+        ..Opts::default()
+    };
+    let (a, b) = pair(&dev, &opts);
+    let a = Arc::new(a);
+    let b = Arc::new(b);
+    let run = |me: Arc<End>, peer: Arc<End>| {
+        std::thread::spawn(move || {
+            let mut out = Vec::new();
+            // A full queue (ENOMEM) is the device telling us to wait for the peer.
+            let retry = |post: &dyn Fn() -> Result<()>, out: &mut Vec<WorkCompletion>| loop {
+                match post() {
+                    Ok(()) => break,
+                    Err(e) => {
+                        assert!(is_enomem::<()>(Err(e)));
+                        me.cq.poll(out, 100).unwrap();
+                        std::thread::yield_now();
+                    }
+                }
+            };
+            for i in 0..500u64 {
+                retry(&|| me.recv(i, vec![me.sge(0, 64)]), &mut out);
+                let write = SendOp::Write {
+                    remote_addr: peer.mr.addr() + 128,
+                    rkey: peer.mr.rkey(),
+                    imm: None,
+                };
+                retry(
+                    &|| me.post(i, write.clone(), vec![me.sge(256, 64)]),
+                    &mut out,
+                );
+                retry(&|| me.post(i, send(i), vec![me.sge(512, 16)]), &mut out);
+                me.cq.poll(&mut out, 100).unwrap();
+            }
+            let deadline = Instant::now() + Duration::from_secs(10);
+            while out.len() < 1500 && Instant::now() < deadline {
+                me.cq.poll(&mut out, 100).unwrap();
+                std::thread::yield_now();
+            }
+            out
+        })
+    };
+    let ta = run(Arc::clone(&a), Arc::clone(&b));
+    let tb = run(Arc::clone(&b), Arc::clone(&a));
+    let ca = ta.join().unwrap();
+    let cb = tb.join().unwrap();
+    for out in [&ca, &cb] {
+        assert_eq!(out.len(), 1500, "500 writes, 500 sends, 500 receives");
+        assert!(out.iter().all(|w| w.status == WcStatus::Success));
+    }
+    drop((a, b));
+    assert_eq!(dev.object_counts(), ObjectCounts::default());
+}
+
+#[test]
+fn counts_are_exact_whatever_the_drop_order() {
+    let dev = LoopbackDevice::new("lo-counts");
+    let (a, b) = pair(&dev, &Opts::default());
+    let mw = b.pd.alloc_mw(MwType::Type2).unwrap();
+    assert_eq!(b.bind(&mw, 0, 64, Access::REMOTE_READ), WcStatus::Success);
+    a.post(1, send(1), vec![]).unwrap(); // left waiting (RNR)
+    let counts = dev.object_counts();
+    assert_eq!(
+        (counts.pds, counts.mrs, counts.mws, counts.cqs, counts.qps),
+        (2, 2, 1, 2, 2)
+    );
+    let End { qp, cq, mr, pd } = b;
+    drop(pd);
+    drop(mr);
+    drop(cq);
+    drop(qp); // the waiting send on a now times out
+    drop(mw);
+    drop(a);
+    assert_eq!(dev.object_counts(), ObjectCounts::default());
+}
