@@ -57,6 +57,11 @@ pub enum Object {
         #[command(subcommand)]
         command: Option<ShowCommand>,
     },
+    /// Queue pairs: yours, or everyone's for administrators.
+    Qp {
+        #[command(subcommand)]
+        command: Option<ShowCommand>,
+    },
     /// Quota limits and live use of a user (default: you).
     Quota {
         /// User name or uid (administrators may ask about anyone).

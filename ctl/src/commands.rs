@@ -38,6 +38,7 @@ pub async fn run(cli: &Cli) -> anyhow::Result<()> {
             Some(SessionCommand::Close { id }) => close_session(&connection, *id).await,
         },
         Object::Region { .. } => regions(&connection).await.map(|v| printer.print(&v)),
+        Object::Qp { .. } => queue_pairs(&connection).await.map(|v| printer.print(&v)),
         Object::Quota { user } => match resolve_user(user.as_deref()) {
             Ok(uid) => quota(&connection, uid).await.map(|v| printer.print(&v)),
             Err(e) => return Err(e),
@@ -262,4 +263,25 @@ fn resolve_user(user: Option<&str>) -> anyhow::Result<u32> {
         Ok(Some(u)) => Ok(u.uid.as_raw()),
         _ => Err(anyhow!("there is no user named {user:?}")),
     }
+}
+
+async fn queue_pairs(connection: &Connection) -> Result<Value, Error> {
+    let qps = manager(connection).await?.list_queue_pairs().await?;
+    Ok(Value::Array(
+        qps.into_iter()
+            .map(|q| {
+                json!({
+                    "qp": q.id,
+                    "session": object_id(q.session.as_str()),
+                    "owner_uid": q.owner_uid,
+                    "device": q.device,
+                    "qpn": q.qp_num,
+                    "state": q.state,
+                    "send_depth": q.send_depth,
+                    "recv_depth": q.recv_depth,
+                    "peer": q.peer,
+                })
+            })
+            .collect(),
+    ))
 }

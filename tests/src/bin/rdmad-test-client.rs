@@ -15,13 +15,16 @@
 //!   revoke N KEY | revoke-any KEY → null
 //!   close                         → null
 //!   session-info PATH | close-session PATH | alloc-in PATH POOL SIZE
-//!   sessions | regions | pools | quota UID | reload
+//!   qp DEVICE [SEND_DEPTH]        → [qp path, ring size, sq entries, cq entries]
+//!   endpoint N | qpinfo N | destroy N | connect N ENDPOINT-JSON   (N: index or qp path)
+//!   sessions | regions | pools | qps | devices | quota UID | reload
 //!   exit
 
 use std::io::BufRead;
 use std::os::fd::OwnedFd;
 
-use rdmad_client::proxy::{ManagerProxy, Options, RegionProxy, SessionProxy};
+use rdmad_client::proxy::{ManagerProxy, Options, QueuePairProxy, RegionProxy, SessionProxy};
+use rdmad_client::types::Endpoint;
 use rdmad_client::{Error, RegionMapping};
 use serde_json::{json, Value};
 use zbus::zvariant::{OwnedObjectPath, Value as ZValue};
@@ -50,6 +53,13 @@ async fn region<'a>(
     Ok(RegionProxy::builder(c).path(path.clone())?.build().await?)
 }
 
+async fn qp_proxy<'a>(c: &zbus::Connection, path: &str) -> Result<QueuePairProxy<'a>, Error> {
+    Ok(QueuePairProxy::builder(c)
+        .path(path.to_owned())?
+        .build()
+        .await?)
+}
+
 async fn session_proxy<'a>(c: &zbus::Connection, path: &str) -> Result<SessionProxy<'a>, Error> {
     Ok(SessionProxy::builder(c)
         .path(path.to_owned())?
@@ -68,6 +78,7 @@ async fn main() {
     let manager = ManagerProxy::new(&c).await.expect("manager proxy");
     let mut session: Option<String> = None;
     let mut held: Vec<Held> = Vec::new();
+    let mut qps: Vec<String> = Vec::new();
 
     let stdin = std::io::stdin();
     for line in stdin.lock().lines() {
@@ -233,6 +244,47 @@ async fn main() {
                         ))),
                     }
                 }
+                "qp" => {
+                    let s = session_proxy(&c, session.as_deref().unwrap_or_default()).await?;
+                    let mut options = Options::new();
+                    if !arg(1).is_empty() {
+                        options.insert("send_depth", ZValue::from(num(1) as u32));
+                    }
+                    let (path, _ring, _doorbell, _completion, info) =
+                        s.create_queue_pair(arg(0), options).await?;
+                    qps.push(path.to_string());
+                    Ok(json!([
+                        path.as_str(),
+                        info.size,
+                        info.sq_entries,
+                        info.cq_entries
+                    ]))
+                }
+                "endpoint" | "qpinfo" | "destroy" | "connect" => {
+                    // N is an index into this client's QPs, or a path.
+                    let path = if arg(0).starts_with('/') {
+                        arg(0).to_owned()
+                    } else {
+                        qps[num(0) as usize].clone()
+                    };
+                    let q = qp_proxy(&c, &path).await?;
+                    match cmd {
+                        "endpoint" => Ok(serde_json::to_value(q.endpoint().await?).unwrap()),
+                        "qpinfo" => Ok(serde_json::to_value(q.get_info().await?).unwrap()),
+                        "destroy" => q.destroy().await.map(|()| Value::Null),
+                        _ => {
+                            let remote: Endpoint = serde_json::from_str(&args[1..].join(" "))
+                                .map_err(|e| {
+                                    Error::InvalidArgument(format!("endpoint JSON: {e}"))
+                                })?;
+                            q.connect(&remote, Options::new())
+                                .await
+                                .map(|()| Value::Null)
+                        }
+                    }
+                }
+                "qps" => Ok(serde_json::to_value(manager.list_queue_pairs().await?).unwrap()),
+                "devices" => Ok(serde_json::to_value(manager.list_devices().await?).unwrap()),
                 "sessions" => Ok(serde_json::to_value(manager.list_sessions().await?).unwrap()),
                 "regions" => Ok(serde_json::to_value(manager.list_regions().await?).unwrap()),
                 "pools" => Ok(serde_json::to_value(manager.list_pools().await?).unwrap()),
