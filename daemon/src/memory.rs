@@ -132,6 +132,34 @@ impl SharedMemory {
         Ok(())
     }
 
+    /// An acquire load of the little-endian `u32` at `offset` (4-byte aligned), for ring
+    /// indices another process publishes.
+    pub fn load_u32(&self, offset: usize) -> io::Result<u32> {
+        Ok(self.atomic_u32(offset)?.load(std::sync::atomic::Ordering::Acquire))
+    }
+
+    /// A release store of a `u32` at `offset` (4-byte aligned), publishing what was
+    /// written before it.
+    pub fn store_u32(&self, offset: usize, value: u32) -> io::Result<()> {
+        self.atomic_u32(offset)?
+            .store(value, std::sync::atomic::Ordering::Release);
+        Ok(())
+    }
+
+    fn atomic_u32(&self, offset: usize) -> io::Result<&std::sync::atomic::AtomicU32> {
+        self.check_range(offset, 4)?;
+        if offset % 4 != 0 {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidInput,
+                format!("offset {offset} is not 4-byte aligned"),
+            ));
+        }
+        // SAFETY: the 4 bytes lie inside the live mapping (checked) and are 4-byte aligned
+        // (the mapping is page aligned); other processes access them only atomically by
+        // the ring protocol, and the reference lives no longer than `self`.
+        Ok(unsafe { std::sync::atomic::AtomicU32::from_ptr(self.ptr.as_ptr().add(offset).cast()) })
+    }
+
     /// Fails unless `[offset, offset + len)` lies inside the mapping.
     pub fn check_range(&self, offset: usize, len: usize) -> io::Result<()> {
         match offset.checked_add(len) {
@@ -181,6 +209,18 @@ mod tests {
         );
         let mode = nix::sys::stat::fstat(raw).unwrap().st_mode & 0o777;
         assert_eq!(mode, 0o600);
+    }
+
+    #[test]
+    fn ring_words_are_atomic_and_checked() {
+        let mem = SharedMemory::create(c"test", 4096).unwrap();
+        mem.store_u32(64, 7).unwrap();
+        assert_eq!(mem.load_u32(64).unwrap(), 7);
+        let mut raw = [0u8; 4];
+        mem.read_at(64, &mut raw).unwrap();
+        assert_eq!(u32::from_le_bytes(raw), 7);
+        assert!(mem.load_u32(66).is_err(), "unaligned");
+        assert!(mem.store_u32(4094, 1).is_err(), "out of range");
     }
 
     #[test]
