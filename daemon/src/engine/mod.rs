@@ -49,8 +49,10 @@ pub enum EngineError {
 /// The daemon's state.
 #[derive(Debug)]
 pub struct Engine {
-    /// Sessions, regions and keys.
-    pub registry: Registry,
+    /// Sessions, regions, keys and queue pairs.
+    pub registry: Arc<Registry>,
+    /// One data-path worker per device, by device name.
+    workers: std::collections::HashMap<String, Arc<datapath::worker::Worker>>,
     pools: Vec<Arc<Pool>>,
     refill: Arc<pool::Refill>,
     refill_thread: std::sync::Mutex<Option<std::thread::JoinHandle<()>>>,
@@ -95,8 +97,26 @@ impl Engine {
         let refill_thread = pool::spawn_refill_thread(pools.clone(), Arc::clone(&refill))
             .map_err(|e| EngineError::Startup(format!("cannot start the refill thread: {e}")))?;
         refill.poke();
+        let registry = Arc::new(Registry::default());
+        let mut workers = std::collections::HashMap::new();
+        for entry in &devices {
+            let worker = datapath::worker::Worker::spawn(
+                entry.device.name(),
+                Arc::downgrade(&registry),
+                datapath::worker::DEFAULT_SPIN,
+            )
+            .map_err(|e| EngineError::Startup(format!("cannot start a data-path worker: {e}")))?;
+            workers.insert(entry.device.name().to_owned(), Arc::new(worker));
+        }
+        let listening: Vec<Arc<datapath::worker::Worker>> = workers.values().cloned().collect();
+        registry.set_qp_listener(Box::new(move |ids| {
+            for worker in &listening {
+                worker.remove(ids);
+            }
+        }));
         Ok(Engine {
-            registry: Registry::default(),
+            registry,
+            workers,
             pools,
             refill,
             refill_thread: std::sync::Mutex::new(Some(refill_thread)),
@@ -129,6 +149,24 @@ impl Engine {
         } else {
             names.join(", ")
         }
+    }
+
+    /// Creates a queue pair for `session` on `device` and starts serving its rings.
+    pub fn create_qp(
+        &self,
+        caller: &crate::policy::Caller,
+        session: SessionId,
+        device: &str,
+        options: qp::QpOptions,
+    ) -> Result<(qp::QpId, Arc<qp::QueuePairRecord>), EngineError> {
+        let entry = self.device(device)?;
+        let (id, record) =
+            self.registry
+                .create_qp(&self.config(), caller, session, entry, options)?;
+        if let Some(worker) = self.workers.get(device) {
+            worker.add(id, Arc::clone(&record));
+        }
+        Ok((id, record))
     }
 
     pub fn pools(&self) -> &[Arc<Pool>] {
@@ -232,6 +270,7 @@ impl Engine {
                 tracing::error!("the refill thread panicked");
             }
         }
+        drop(self.workers);
         for pool in &self.pools {
             pool.drain();
         }

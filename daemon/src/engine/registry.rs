@@ -187,12 +187,42 @@ fn not_authorized(message: impl Into<String>) -> EngineError {
     EngineError::NotAuthorized(message.into())
 }
 
-#[derive(Debug, Default)]
+/// Told which queue pairs were removed, before they are released (the data-path workers
+/// let go of them).
+pub type QpListener = Box<dyn Fn(&[QpId]) + Send + Sync>;
+
+#[derive(Default)]
 pub struct Registry {
     state: Mutex<State>,
+    qp_listener: std::sync::OnceLock<QpListener>,
+}
+
+impl std::fmt::Debug for Registry {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Registry")
+            .field("state", &self.state)
+            .finish_non_exhaustive()
+    }
 }
 
 impl Registry {
+    /// Sets who hears of removed queue pairs (once).
+    pub fn set_qp_listener(&self, listener: QpListener) {
+        if self.qp_listener.set(listener).is_err() {
+            tracing::error!("the queue-pair listener was set twice");
+        }
+    }
+
+    /// Releases what a teardown removed: the listener lets go of the QPs first.
+    fn release(&self, removed_qps: &[QpId], garbage: Garbage) {
+        if !removed_qps.is_empty() {
+            if let Some(listener) = self.qp_listener.get() {
+                listener(removed_qps);
+            }
+        }
+        garbage.release();
+    }
+
     pub fn counts(&self) -> (usize, usize, usize) {
         let s = lock(&self.state);
         (s.sessions.len(), s.regions.len(), s.keys.len())
@@ -252,7 +282,7 @@ impl Registry {
         }
         let (removed, garbage) = Self::remove_session(&mut s, id);
         drop(s);
-        garbage.release();
+        self.release(&removed.qps, garbage);
         Ok(removed)
     }
 
@@ -282,7 +312,7 @@ impl Registry {
             garbage.extend(g);
         }
         drop(s);
-        garbage.release();
+        self.release(&all.qps, garbage);
         all
     }
 
@@ -863,7 +893,13 @@ impl Registry {
         }
         Self::forget_idle_user(&mut s, record.owner_uid);
         drop(s);
-        drop(record);
+        self.release(
+            &[id],
+            Garbage {
+                qps: vec![record],
+                mrs: Vec::new(),
+            },
+        );
         Ok(())
     }
 

@@ -194,7 +194,7 @@ pub trait CompletionQueue: Send + Sync + fmt::Debug {
     /// Requests an event on `event_fd` for the next completion (`ibv_req_notify_cq`).
     fn arm(&self) -> Result<()>;
     /// A non-blocking descriptor that becomes readable when an armed CQ gets a completion.
-    fn event_fd(&self) -> std::os::fd::RawFd;
+    fn event_fd(&self) -> std::os::fd::BorrowedFd<'_>;
     /// Consumes and acknowledges pending events (never blocks); returns how many.
     fn acknowledge_events(&self) -> Result<u32>;
     fn as_any(&self) -> &dyn Any;

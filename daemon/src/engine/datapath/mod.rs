@@ -3,3 +3,4 @@
 //! device; completions go back the same way.
 
 pub mod validate;
+pub mod worker;

@@ -8,7 +8,7 @@
 use std::collections::VecDeque;
 use std::fs::File;
 use std::io::{ErrorKind, Read, Write};
-use std::os::fd::{AsRawFd, RawFd};
+
 use std::sync::{Arc, Mutex};
 
 use nix::fcntl::OFlag;
@@ -120,8 +120,8 @@ impl CompletionQueue for LoopbackCq {
         Ok(())
     }
 
-    fn event_fd(&self) -> RawFd {
-        self.inner.read.as_raw_fd()
+    fn event_fd(&self) -> std::os::fd::BorrowedFd<'_> {
+        std::os::fd::AsFd::as_fd(&self.inner.read)
     }
 
     fn acknowledge_events(&self) -> Result<u32> {

@@ -261,8 +261,10 @@ impl CompletionQueue for VerbsCq {
         Ok(())
     }
 
-    fn event_fd(&self) -> RawFd {
-        self.fd
+    fn event_fd(&self) -> std::os::fd::BorrowedFd<'_> {
+        // SAFETY: `fd` is the completion channel's descriptor, open until the channel is
+        // destroyed in `Drop`, which the borrow (tied to `self`) cannot outlive.
+        unsafe { std::os::fd::BorrowedFd::borrow_raw(self.fd) }
     }
 
     fn acknowledge_events(&self) -> Result<u32> {

@@ -847,7 +847,12 @@ mod tests {
                 "nothing pending, no blocking"
             );
             // SAFETY: F_GETFL on the channel's open descriptor.
-            let flags = unsafe { libc::fcntl(cq.event_fd(), libc::F_GETFL) };
+            let flags = unsafe {
+                libc::fcntl(
+                    std::os::fd::AsRawFd::as_raw_fd(&cq.event_fd()),
+                    libc::F_GETFL,
+                )
+            };
             assert_ne!(flags & libc::O_NONBLOCK, 0);
 
             cq.arm().unwrap();
@@ -863,7 +868,7 @@ mod tests {
                 vec![sge(&mr, 0, 16)],
             );
             let mut pfd = libc::pollfd {
-                fd: cq.event_fd(),
+                fd: std::os::fd::AsRawFd::as_raw_fd(&cq.event_fd()),
                 events: libc::POLLIN,
                 revents: 0,
             };

@@ -1,0 +1,479 @@
+//! The data-path worker of one device: it consumes every QP's submission ring, copies each
+//! entry out of shared memory before looking at it, checks and translates it, posts it to
+//! the device, polls the CQs and writes completions back. When there is nothing to do for
+//! a while it sets `SQ_NEED_WAKEUP` in every ring, arms the CQs and sleeps on the doorbell
+//! and completion-channel descriptors (io_uring's SQPOLL is the model).
+
+use std::collections::{HashMap, VecDeque};
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use nix::sys::epoll::{Epoll, EpollCreateFlags, EpollEvent, EpollFlags, EpollTimeout};
+use rdmad_client::ring::{self, header, Completion, Opcode, Status, Submission, SQE_SIZE};
+
+use super::validate::{self, RegionRights, Work};
+use crate::engine::qp::{QpId, QueuePairRecord};
+use crate::engine::Registry;
+use crate::lock::lock;
+use crate::provider::{MemoryRegion, WcOpcode, WcStatus, WorkCompletion};
+
+/// How long a worker keeps polling after its last piece of work before it sleeps.
+pub const DEFAULT_SPIN: Duration = Duration::from_micros(200);
+
+/// The QPs a worker serves, shared with the engine that adds and removes them.
+#[derive(Debug, Default)]
+pub struct WorkerQps {
+    qps: Mutex<Vec<(QpId, Arc<QueuePairRecord>)>>,
+    /// Bumped by every change; the worker copies it to `applied` once it has let go of
+    /// removed QPs.
+    wanted: Mutex<u64>,
+    applied: Mutex<u64>,
+    applied_cv: std::sync::Condvar,
+}
+
+/// A request the device is working on: what the client called it, and what it pins.
+struct InFlight {
+    client_wr_id: u64,
+    opcode: Opcode,
+    signaled: bool,
+    _pins: Vec<Arc<dyn MemoryRegion>>,
+}
+
+/// The worker's private view of one QP: its own copies of the indices (never read back
+/// from shared memory), requests in flight, completions waiting for ring space.
+struct QpState {
+    id: QpId,
+    record: Arc<QueuePairRecord>,
+    sq_head: u32,
+    cq_tail: u32,
+    next_wr: u64,
+    in_flight: HashMap<u64, InFlight>,
+    sends: u32,
+    recvs: u32,
+    backlog: VecDeque<Completion>,
+}
+
+impl QpState {
+    fn new(id: QpId, record: Arc<QueuePairRecord>) -> QpState {
+        QpState {
+            id,
+            record,
+            sq_head: 0,
+            cq_tail: 0,
+            next_wr: 1,
+            in_flight: HashMap::new(),
+            sends: 0,
+            recvs: 0,
+            backlog: VecDeque::new(),
+        }
+    }
+
+    fn refuse(&mut self, wr_id: u64, opcode: Opcode, status: Status, detail: u32) {
+        self.backlog.push_back(Completion {
+            wr_id,
+            status,
+            opcode,
+            byte_len: 0,
+            imm: None,
+            detail,
+        });
+    }
+
+    /// Consumes what the client submitted; returns whether there was anything.
+    fn consume(&mut self, rights: &RegionRights) -> bool {
+        let ring = Arc::clone(&self.record.ring);
+        let layout = self.record.layout;
+        let Ok(tail) = ring.load_u32(header::SQ_TAIL) else {
+            return false;
+        };
+        let pending = tail.wrapping_sub(self.sq_head);
+        if pending == 0 {
+            return false;
+        }
+        if pending > layout.sq_entries {
+            // An impossible tail: the client broke the protocol. Skip to it and say so once.
+            tracing::warn!(
+                qp = self.id,
+                tail,
+                head = self.sq_head,
+                "submission tail out of range"
+            );
+            self.refuse(0, Opcode::Send, Status::InvalidEntry, 1);
+            self.sq_head = tail;
+            let _ = ring.store_u32(header::SQ_HEAD, self.sq_head);
+            return true;
+        }
+        let mut sends = Vec::new();
+        let mut recvs = Vec::new();
+        let mut staged = Vec::new();
+        for _ in 0..pending {
+            let mut bytes = [0u8; SQE_SIZE];
+            // Copy first: the client may rewrite the slot at any moment.
+            if ring.read_at(layout.sqe(self.sq_head), &mut bytes).is_err() {
+                break;
+            }
+            self.sq_head = self.sq_head.wrapping_add(1);
+            let sub = match Submission::decode(&bytes) {
+                Ok(s) => s,
+                Err((wr_id, e)) => {
+                    tracing::debug!(qp = self.id, "refused submission: {e}");
+                    self.refuse(wr_id, Opcode::Send, Status::InvalidEntry, 0);
+                    continue;
+                }
+            };
+            let is_recv = sub.opcode == Opcode::Recv;
+            let (depth, used) = if is_recv {
+                (
+                    self.record.options.recv_depth,
+                    self.recvs + recvs.len() as u32,
+                )
+            } else {
+                (
+                    self.record.options.send_depth,
+                    self.sends + sends.len() as u32,
+                )
+            };
+            if used >= depth {
+                self.refuse(sub.wr_id, sub.opcode, Status::QueueFull, depth);
+                continue;
+            }
+            let wr = self.next_wr;
+            match validate::check(&sub, rights, wr) {
+                Ok(checked) => {
+                    self.next_wr += 1;
+                    match checked.work {
+                        Work::Send(w) => sends.push(w),
+                        Work::Recv(w) => recvs.push(w),
+                    }
+                    staged.push((
+                        wr,
+                        InFlight {
+                            client_wr_id: sub.wr_id,
+                            opcode: sub.opcode,
+                            signaled: sub.signaled,
+                            _pins: checked.pins,
+                        },
+                    ));
+                }
+                Err(refusal) => self.refuse(sub.wr_id, sub.opcode, refusal.status, refusal.detail),
+            }
+        }
+        let _ = ring.store_u32(header::SQ_HEAD, self.sq_head);
+        let mut posted = HashMap::new();
+        if !recvs.is_empty() {
+            match self.record.qp.post_recv(&recvs) {
+                Ok(()) => posted.extend(recvs.iter().map(|w| (w.wr_id, ()))),
+                Err(e) => tracing::debug!(qp = self.id, "post_recv: {e}"),
+            }
+        }
+        if !sends.is_empty() {
+            match self.record.qp.post_send(&sends) {
+                Ok(()) => posted.extend(sends.iter().map(|w| (w.wr_id, ()))),
+                Err(e) => tracing::debug!(qp = self.id, "post_send: {e}"),
+            }
+        }
+        for (wr, flight) in staged {
+            if posted.contains_key(&wr) {
+                if flight.opcode == Opcode::Recv {
+                    self.recvs += 1;
+                } else {
+                    self.sends += 1;
+                }
+                self.in_flight.insert(wr, flight);
+            } else {
+                self.refuse(flight.client_wr_id, flight.opcode, Status::DeviceError, 0);
+            }
+        }
+        true
+    }
+
+    /// Takes completions from the CQ; returns whether there were any.
+    fn reap(&mut self) -> bool {
+        let mut wcs: Vec<WorkCompletion> = Vec::new();
+        if let Err(e) = self.record.cq.poll(&mut wcs, 64) {
+            tracing::warn!(qp = self.id, "poll: {e}");
+            return false;
+        }
+        let any = !wcs.is_empty();
+        for wc in wcs {
+            let Some(flight) = self.in_flight.remove(&wc.wr_id) else {
+                continue;
+            };
+            if flight.opcode == Opcode::Recv {
+                self.recvs -= 1;
+            } else {
+                self.sends -= 1;
+            }
+            let status = status_of(wc.status);
+            if flight.signaled || status != Status::Success || flight.opcode == Opcode::Recv {
+                let opcode = match wc.opcode {
+                    WcOpcode::Recv | WcOpcode::RecvRdmaWithImm => Opcode::Recv,
+                    _ => flight.opcode,
+                };
+                self.backlog.push_back(Completion {
+                    wr_id: flight.client_wr_id,
+                    status,
+                    opcode,
+                    byte_len: wc.byte_len,
+                    imm: wc.imm,
+                    detail: 0,
+                });
+            }
+        }
+        any
+    }
+
+    /// Writes waiting completions into the ring as far as it has room; returns whether it
+    /// delivered any.
+    fn deliver(&mut self) -> bool {
+        if self.backlog.is_empty() {
+            return false;
+        }
+        let ring = Arc::clone(&self.record.ring);
+        let layout = self.record.layout;
+        let Ok(head) = ring.load_u32(header::CQ_HEAD) else {
+            return false;
+        };
+        let used = self.cq_tail.wrapping_sub(head);
+        // A head the client moved past our tail is a lie; treat the ring as full.
+        let room = layout.cq_entries.saturating_sub(used);
+        let mut delivered = 0;
+        while delivered < room {
+            let Some(c) = self.backlog.pop_front() else {
+                break;
+            };
+            if ring
+                .write_at(layout.cqe(self.cq_tail), &c.encode())
+                .is_err()
+            {
+                break;
+            }
+            self.cq_tail = self.cq_tail.wrapping_add(1);
+            delivered += 1;
+        }
+        if delivered > 0 {
+            let _ = ring.store_u32(header::CQ_TAIL, self.cq_tail);
+            let _ = nix::unistd::write(self.record.completion_event.as_fd(), &1u64.to_ne_bytes());
+        }
+        delivered > 0
+    }
+}
+
+fn status_of(s: WcStatus) -> Status {
+    match s {
+        WcStatus::Success => Status::Success,
+        WcStatus::LocalLengthError => Status::LocalLengthError,
+        WcStatus::LocalProtectionError => Status::LocalProtectionError,
+        WcStatus::WrFlushError => Status::WrFlushError,
+        WcStatus::RemoteInvalidRequestError => Status::RemoteInvalidRequestError,
+        WcStatus::RemoteAccessError => Status::RemoteAccessError,
+        WcStatus::RemoteOperationError => Status::RemoteOperationError,
+        WcStatus::RetryExceeded => Status::RetryExceeded,
+        WcStatus::RnrRetryExceeded => Status::RnrRetryExceeded,
+        WcStatus::MemoryWindowBindError | WcStatus::Other(_) => Status::DeviceError,
+    }
+}
+
+impl WorkerQps {
+    fn bump(&self) -> u64 {
+        let mut wanted = lock(&self.wanted);
+        *wanted += 1;
+        *wanted
+    }
+
+    /// Waits until the worker has applied change `generation` (bounded, so a stuck device
+    /// cannot stall the caller for ever).
+    fn wait_applied(&self, generation: u64) {
+        let mut applied = lock(&self.applied);
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while *applied < generation {
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                tracing::warn!("the data-path worker did not let go of a queue pair in time");
+                return;
+            }
+            applied = self
+                .applied_cv
+                .wait_timeout(applied, left)
+                .unwrap_or_else(std::sync::PoisonError::into_inner)
+                .0;
+        }
+    }
+}
+
+/// A running worker; dropping it stops the thread.
+pub struct Worker {
+    qps: Arc<WorkerQps>,
+    wake: OwnedFd,
+    stop: Arc<std::sync::atomic::AtomicBool>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl std::fmt::Debug for Worker {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Worker").finish_non_exhaustive()
+    }
+}
+
+fn eventfd() -> std::io::Result<OwnedFd> {
+    use nix::sys::eventfd::{EfdFlags, EventFd};
+    Ok(EventFd::from_flags(EfdFlags::EFD_CLOEXEC | EfdFlags::EFD_NONBLOCK)?.into())
+}
+
+fn drain(fd: BorrowedFd<'_>) {
+    let mut buf = [0u8; 8];
+    while matches!(nix::unistd::read(fd.as_raw_fd(), &mut buf), Ok(8)) {}
+}
+
+impl Worker {
+    /// Starts the worker of `device`. It holds the registry weakly: the registry holds the
+    /// workers (through its queue-pair listener).
+    pub fn spawn(
+        device: &str,
+        registry: std::sync::Weak<Registry>,
+        spin: Duration,
+    ) -> std::io::Result<Worker> {
+        let qps = Arc::new(WorkerQps::default());
+        let wake = eventfd()?;
+        let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let thread = {
+            let (qps, stop) = (Arc::clone(&qps), Arc::clone(&stop));
+            let wake = wake.try_clone()?;
+            std::thread::Builder::new()
+                .name(format!("rdmad-dp-{device}"))
+                .spawn(move || run(&qps, &registry, &wake, &stop, spin))?
+        };
+        Ok(Worker {
+            qps,
+            wake,
+            stop,
+            thread: Some(thread),
+        })
+    }
+
+    /// Starts serving a QP's rings.
+    pub fn add(&self, id: QpId, record: Arc<QueuePairRecord>) {
+        lock(&self.qps.qps).push((id, record));
+        self.qps.bump();
+        self.poke();
+    }
+
+    /// Stops serving QPs and returns once the worker holds none of them any more, so the
+    /// caller's release really destroys them.
+    pub fn remove(&self, ids: &[QpId]) {
+        let before = lock(&self.qps.qps).len();
+        lock(&self.qps.qps).retain(|(q, _)| !ids.contains(q));
+        if lock(&self.qps.qps).len() == before {
+            return;
+        }
+        let generation = self.qps.bump();
+        self.poke();
+        self.qps.wait_applied(generation);
+    }
+
+    fn poke(&self) {
+        let _ = nix::unistd::write(self.wake.as_fd(), &1u64.to_ne_bytes());
+    }
+}
+
+impl Drop for Worker {
+    fn drop(&mut self) {
+        self.stop.store(true, std::sync::atomic::Ordering::Release);
+        self.poke();
+        if let Some(t) = self.thread.take() {
+            if t.join().is_err() {
+                tracing::error!("a data-path worker panicked");
+            }
+        }
+    }
+}
+
+fn run(
+    shared: &WorkerQps,
+    registry: &std::sync::Weak<Registry>,
+    wake: &OwnedFd,
+    stop: &std::sync::atomic::AtomicBool,
+    spin: Duration,
+) {
+    let mut qps: Vec<QpState> = Vec::new();
+    let mut last_work = Instant::now();
+    let mut seen = 0;
+    while !stop.load(std::sync::atomic::Ordering::Acquire) {
+        let wanted = *lock(&shared.wanted);
+        if wanted != seen {
+            let current = lock(&shared.qps).clone();
+            qps.retain(|q| current.iter().any(|(id, _)| *id == q.id));
+            for (id, record) in current {
+                if !qps.iter().any(|q| q.id == id) {
+                    qps.push(QpState::new(id, record));
+                }
+            }
+            seen = wanted;
+            *lock(&shared.applied) = wanted;
+            shared.applied_cv.notify_all();
+        }
+        let mut busy = false;
+        for q in &mut qps {
+            let sq_tail = q.record.ring.load_u32(header::SQ_TAIL).unwrap_or(q.sq_head);
+            if sq_tail != q.sq_head {
+                let rights = registry
+                    .upgrade()
+                    .and_then(|r| r.session_rights(q.record.session))
+                    .unwrap_or_default();
+                busy |= q.consume(&rights);
+            }
+            busy |= q.reap();
+            busy |= q.deliver();
+        }
+        if busy {
+            last_work = Instant::now();
+            continue;
+        }
+        if last_work.elapsed() < spin {
+            std::hint::spin_loop();
+            continue;
+        }
+        sleep(&mut qps, wake);
+        last_work = Instant::now();
+    }
+}
+
+/// Arms everything and sleeps until a doorbell, a completion or a wake-up.
+fn sleep(qps: &mut [QpState], wake: &OwnedFd) {
+    let Ok(epoll) = Epoll::new(EpollCreateFlags::EPOLL_CLOEXEC) else {
+        std::thread::sleep(Duration::from_millis(1));
+        return;
+    };
+    let _ = epoll.add(wake.as_fd(), EpollEvent::new(EpollFlags::EPOLLIN, 0));
+    for q in qps.iter() {
+        let _ = q
+            .record
+            .ring
+            .store_u32(header::SQ_FLAGS, ring::SQ_NEED_WAKEUP);
+        let _ = q.record.cq.arm();
+        let _ = epoll.add(
+            q.record.doorbell.as_fd(),
+            EpollEvent::new(EpollFlags::EPOLLIN, 0),
+        );
+        let _ = epoll.add(
+            q.record.cq.event_fd(),
+            EpollEvent::new(EpollFlags::EPOLLIN, 0),
+        );
+    }
+    // Work that arrived between the last look and the flags is seen now.
+    let pending = qps.iter().any(|q| {
+        q.record.ring.load_u32(header::SQ_TAIL).unwrap_or(q.sq_head) != q.sq_head
+            || !q.backlog.is_empty()
+    });
+    if !pending {
+        let mut events = [EpollEvent::empty(); 16];
+        let _ = epoll.wait(&mut events, EpollTimeout::from(100u16));
+    }
+    drain(wake.as_fd());
+    for q in qps.iter() {
+        let _ = q.record.ring.store_u32(header::SQ_FLAGS, 0);
+        drain(q.record.doorbell.as_fd());
+        let _ = q.record.cq.acknowledge_events();
+    }
+}
