@@ -5,6 +5,7 @@ pub mod error;
 pub mod mapping;
 pub mod names;
 pub mod proxy;
+pub mod queue_pair;
 pub mod ring;
 pub mod types;
 

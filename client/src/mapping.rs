@@ -97,6 +97,42 @@ impl RegionMapping {
     }
 }
 
+impl RegionMapping {
+    fn atomic_u32(&self, offset: usize) -> io::Result<&std::sync::atomic::AtomicU32> {
+        self.check(offset, 4)?;
+        if offset % 4 != 0 {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidInput,
+                "unaligned ring word",
+            ));
+        }
+        // SAFETY: inside the live mapping (checked), 4-byte aligned (the mapping is page
+        // aligned), accessed by the other side only atomically per the ring protocol; the
+        // reference does not outlive `self`.
+        Ok(unsafe { std::sync::atomic::AtomicU32::from_ptr(self.ptr.as_ptr().add(offset).cast()) })
+    }
+
+    /// Acquire load of a ring word.
+    pub fn load_u32(&self, offset: usize) -> io::Result<u32> {
+        Ok(self
+            .atomic_u32(offset)?
+            .load(std::sync::atomic::Ordering::Acquire))
+    }
+
+    /// Release store of a ring word (the mapping must be writable).
+    pub fn store_u32(&self, offset: usize, value: u32) -> io::Result<()> {
+        if !self.writable {
+            return Err(io::Error::new(
+                io::ErrorKind::PermissionDenied,
+                "read-only mapping",
+            ));
+        }
+        self.atomic_u32(offset)?
+            .store(value, std::sync::atomic::Ordering::Release);
+        Ok(())
+    }
+}
+
 impl Drop for RegionMapping {
     fn drop(&mut self) {
         // SAFETY: the mapping made in `map`, unmapped only here.

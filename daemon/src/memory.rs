@@ -135,7 +135,9 @@ impl SharedMemory {
     /// An acquire load of the little-endian `u32` at `offset` (4-byte aligned), for ring
     /// indices another process publishes.
     pub fn load_u32(&self, offset: usize) -> io::Result<u32> {
-        Ok(self.atomic_u32(offset)?.load(std::sync::atomic::Ordering::Acquire))
+        Ok(self
+            .atomic_u32(offset)?
+            .load(std::sync::atomic::Ordering::Acquire))
     }
 
     /// A release store of a `u32` at `offset` (4-byte aligned), publishing what was

@@ -149,11 +149,7 @@ impl SessionObject {
         }
         let caller = self.ctx.caller(connection, &header).await?;
         let engine = &self.ctx.engine;
-        let entry = engine.device(device)?;
-        let (id, q) =
-            engine
-                .registry
-                .create_qp(&self.ctx.config(), &caller, self.id, entry, qp_options)?;
+        let (id, q) = engine.create_qp(&caller, self.id, device, qp_options)?;
         let dup = |fd: std::os::fd::BorrowedFd<'_>| {
             fd.try_clone_to_owned()
                 .map(OwnedFd::from)

@@ -15,8 +15,11 @@
 //!   revoke N KEY | revoke-any KEY → null
 //!   close                         → null
 //!   session-info PATH | close-session PATH | alloc-in PATH POOL SIZE
-//!   qp DEVICE [SEND_DEPTH]        → [qp path, ring size, sq entries, cq entries]
+//!   qp DEVICE [SEND_DEPTH [RECV_DEPTH]] → [qp path, ring size, sq entries, cq entries]
 //!   endpoint N | qpinfo N | destroy N | connect N ENDPOINT-JSON   (N: index or qp path)
+//!   post Q OP REGION OFFSET LEN WRID [REMOTE_ADDR RKEY]   (OP: send recv write read fadd;
+//!                                 REGION: index of a held region, or #ID for any id)
+//!   post-garbage Q WRID | bad-tail Q | wait Q → completion JSON (60 s at most)
 //!   sessions | regions | pools | qps | devices | quota UID | reload
 //!   exit
 
@@ -24,6 +27,8 @@ use std::io::BufRead;
 use std::os::fd::OwnedFd;
 
 use rdmad_client::proxy::{ManagerProxy, Options, QueuePairProxy, RegionProxy, SessionProxy};
+use rdmad_client::queue_pair::QueuePairRing;
+use rdmad_client::ring::{Opcode, RegionSge, Submission};
 use rdmad_client::types::Endpoint;
 use rdmad_client::{Error, RegionMapping};
 use serde_json::{json, Value};
@@ -79,6 +84,7 @@ async fn main() {
     let mut session: Option<String> = None;
     let mut held: Vec<Held> = Vec::new();
     let mut qps: Vec<String> = Vec::new();
+    let mut rings: Vec<QueuePairRing> = Vec::new();
 
     let stdin = std::io::stdin();
     for line in stdin.lock().lines() {
@@ -250,9 +256,16 @@ async fn main() {
                     if !arg(1).is_empty() {
                         options.insert("send_depth", ZValue::from(num(1) as u32));
                     }
-                    let (path, _ring, _doorbell, _completion, info) =
+                    if !arg(2).is_empty() {
+                        options.insert("recv_depth", ZValue::from(num(2) as u32));
+                    }
+                    let (path, ring, doorbell, completion, info) =
                         s.create_queue_pair(arg(0), options).await?;
                     qps.push(path.to_string());
+                    rings.push(
+                        QueuePairRing::new(ring.into(), doorbell.into(), completion.into(), info)
+                            .map_err(|e| Error::InvalidArgument(format!("ring: {e}")))?,
+                    );
                     Ok(json!([
                         path.as_str(),
                         info.size,
@@ -282,6 +295,75 @@ async fn main() {
                                 .map(|()| Value::Null)
                         }
                     }
+                }
+                "post" => {
+                    // post Q send|recv|write|read|fadd REGION_IDX|#ID OFFSET LEN WRID [REMOTE_ADDR RKEY]
+                    let region = if let Some(raw) = arg(2).strip_prefix('#') {
+                        raw.parse().unwrap_or(u64::MAX)
+                    } else {
+                        rdmad_client::names::object_id(held[num(2) as usize].path.as_str())
+                            .unwrap_or(0)
+                    };
+                    let opcode = match arg(1) {
+                        "send" => Opcode::Send,
+                        "recv" => Opcode::Recv,
+                        "write" => Opcode::Write,
+                        "read" => Opcode::Read,
+                        "fadd" => Opcode::FetchAdd,
+                        other => return Err(Error::InvalidArgument(format!("opcode {other}"))),
+                    };
+                    let sub = Submission {
+                        opcode,
+                        wr_id: num(5),
+                        signaled: true,
+                        imm: None,
+                        remote_addr: if args.len() > 6 { num(6) } else { 0 },
+                        rkey: if args.len() > 7 { num(7) as u32 } else { 0 },
+                        compare_add: 1,
+                        swap: 0,
+                        sges: vec![RegionSge {
+                            region,
+                            offset: num(3),
+                            length: num(4) as u32,
+                        }],
+                    };
+                    match rings[num(0) as usize]
+                        .submit(&sub)
+                        .map_err(|e| Error::InvalidArgument(e.to_string()))?
+                    {
+                        Ok(()) => Ok(Value::Null),
+                        Err(_) => Ok(json!("ring full")),
+                    }
+                }
+                "post-garbage" => {
+                    let mut entry = [0u8; rdmad_client::ring::SQE_SIZE];
+                    entry[0] = 0xee;
+                    entry[8..16].copy_from_slice(&num(1).to_le_bytes());
+                    rings[num(0) as usize]
+                        .submit_raw(&entry)
+                        .map_err(|e| Error::InvalidArgument(e.to_string()))?;
+                    Ok(Value::Null)
+                }
+                "bad-tail" => {
+                    rings[num(0) as usize]
+                        .set_tail_raw(0x7fff_0000)
+                        .map_err(|e| Error::InvalidArgument(e.to_string()))?;
+                    Ok(Value::Null)
+                }
+                "wait" => {
+                    let c = rings[num(0) as usize]
+                        .wait(std::time::Duration::from_secs(60))
+                        .map_err(|e| Error::InvalidArgument(e.to_string()))?;
+                    Ok(match c {
+                        None => Value::Null,
+                        Some(c) => json!({
+                            "wr_id": c.wr_id,
+                            "status": format!("{:?}", c.status),
+                            "opcode": format!("{:?}", c.opcode),
+                            "byte_len": c.byte_len,
+                            "detail": c.detail,
+                        }),
+                    })
                 }
                 "qps" => Ok(serde_json::to_value(manager.list_queue_pairs().await?).unwrap()),
                 "devices" => Ok(serde_json::to_value(manager.list_devices().await?).unwrap()),

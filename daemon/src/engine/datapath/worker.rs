@@ -477,3 +477,75 @@ fn sleep(qps: &mut [QpState], wake: &OwnedFd) {
         let _ = q.record.cq.acknowledge_events();
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use std::path::PathBuf;
+
+    use rdmad_client::queue_pair::QueuePairRing;
+    use rdmad_client::ring::{RegionSge, Status};
+    use rdmad_client::types::RingInfo;
+
+    use super::*;
+    use crate::config::{Config, ProviderChoice};
+    use crate::engine::qp::QpOptions;
+    use crate::engine::Engine;
+    use crate::policy::Caller;
+
+    fn ring_of(q: &QueuePairRecord) -> QueuePairRing {
+        QueuePairRing::new(
+            q.ring.fd().try_clone_to_owned().unwrap(),
+            q.doorbell.try_clone().unwrap(),
+            q.completion_event.try_clone().unwrap(),
+            RingInfo {
+                size: q.ring.len() as u64,
+                sq_entries: q.layout.sq_entries,
+                cq_entries: q.layout.cq_entries,
+            },
+        )
+        .unwrap()
+    }
+
+    #[test]
+    fn a_refused_submission_comes_back_as_a_completion() {
+        let config = Config::default();
+        let engine = Engine::start(
+            config.clone(),
+            PathBuf::from("/dev/null"),
+            Some(ProviderChoice::Loopback),
+        )
+        .unwrap();
+        let alice = Caller {
+            bus_name: ":1.1".into(),
+            uid: 1000,
+            gids: vec![],
+            pid: None,
+        };
+        let s = engine.registry.open_session(&config, &alice).unwrap();
+        let (_, q) = engine
+            .create_qp(&alice, s, "loopback0", QpOptions::default())
+            .unwrap();
+        let mut ring = ring_of(&q);
+        let sub = Submission {
+            opcode: Opcode::Send,
+            wr_id: 9,
+            signaled: true,
+            imm: None,
+            remote_addr: 0,
+            rkey: 0,
+            compare_add: 0,
+            swap: 0,
+            sges: vec![RegionSge {
+                region: 77,
+                offset: 0,
+                length: 8,
+            }],
+        };
+        ring.submit(&sub).unwrap().unwrap();
+        let c = ring
+            .wait(Duration::from_secs(10))
+            .unwrap()
+            .expect("a completion");
+        assert_eq!((c.wr_id, c.status), (9, Status::RegionAccessDenied));
+    }
+}

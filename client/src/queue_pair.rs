@@ -1,0 +1,129 @@
+//! The client's end of a queue pair's rings: submit work requests, take completions, wait.
+
+use std::io;
+use std::os::fd::{AsFd, OwnedFd};
+use std::time::Duration;
+
+use crate::mapping::RegionMapping;
+use crate::ring::{self, header, Completion, Layout, Submission, CQE_SIZE};
+use crate::types::RingInfo;
+
+/// A queue pair's rings, mapped.
+#[derive(Debug)]
+pub struct QueuePairRing {
+    map: RegionMapping,
+    layout: Layout,
+    doorbell: OwnedFd,
+    completions: OwnedFd,
+    sq_tail: u32,
+    cq_head: u32,
+}
+
+/// The submission ring is full: take completions, then submit again.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RingFull;
+
+impl QueuePairRing {
+    /// Maps the ring that `Session.CreateQueuePair` returned and checks its header.
+    pub fn new(
+        ring: OwnedFd,
+        doorbell: OwnedFd,
+        completions: OwnedFd,
+        info: RingInfo,
+    ) -> io::Result<QueuePairRing> {
+        let size = usize::try_from(info.size)
+            .map_err(|_| io::Error::new(io::ErrorKind::InvalidData, "ring too large"))?;
+        let map = RegionMapping::map(ring, size, true)?;
+        let layout = Layout {
+            sq_entries: info.sq_entries,
+            cq_entries: info.cq_entries,
+        };
+        let bad =
+            |what: &str| io::Error::new(io::ErrorKind::InvalidData, format!("ring header: {what}"));
+        for (offset, want) in layout.header_words() {
+            if map.load_u32(offset)? != want {
+                return Err(bad(&format!("word at {offset} is not {want}")));
+            }
+        }
+        if layout.size() > size {
+            return Err(bad("smaller than its layout"));
+        }
+        Ok(QueuePairRing {
+            map,
+            layout,
+            doorbell,
+            completions,
+            sq_tail: 0,
+            cq_head: 0,
+        })
+    }
+
+    /// Queues one work request (and rings the doorbell if the daemon's worker sleeps).
+    pub fn submit(&mut self, s: &Submission) -> io::Result<Result<(), RingFull>> {
+        let head = self.map.load_u32(header::SQ_HEAD)?;
+        if self.sq_tail.wrapping_sub(head) >= self.layout.sq_entries {
+            return Ok(Err(RingFull));
+        }
+        self.map.write(self.layout.sqe(self.sq_tail), &s.encode())?;
+        self.sq_tail = self.sq_tail.wrapping_add(1);
+        self.map.store_u32(header::SQ_TAIL, self.sq_tail)?;
+        if self.map.load_u32(header::SQ_FLAGS)? & ring::SQ_NEED_WAKEUP != 0 {
+            nix::unistd::write(self.doorbell.as_fd(), &1u64.to_ne_bytes())?;
+        }
+        Ok(Ok(()))
+    }
+
+    /// Writes raw bytes as the next submission (for testing the daemon's checks).
+    pub fn submit_raw(&mut self, entry: &[u8; ring::SQE_SIZE]) -> io::Result<()> {
+        self.map.write(self.layout.sqe(self.sq_tail), entry)?;
+        self.sq_tail = self.sq_tail.wrapping_add(1);
+        self.map.store_u32(header::SQ_TAIL, self.sq_tail)?;
+        nix::unistd::write(self.doorbell.as_fd(), &1u64.to_ne_bytes())?;
+        Ok(())
+    }
+
+    /// Publishes an arbitrary submission tail (for testing the daemon's checks).
+    pub fn set_tail_raw(&mut self, tail: u32) -> io::Result<()> {
+        self.sq_tail = tail;
+        self.map.store_u32(header::SQ_TAIL, tail)?;
+        nix::unistd::write(self.doorbell.as_fd(), &1u64.to_ne_bytes())?;
+        Ok(())
+    }
+
+    /// The next completion, if one is there.
+    pub fn poll(&mut self) -> io::Result<Option<Completion>> {
+        let tail = self.map.load_u32(header::CQ_TAIL)?;
+        if tail == self.cq_head {
+            return Ok(None);
+        }
+        let mut bytes = [0u8; CQE_SIZE];
+        self.map.read(self.layout.cqe(self.cq_head), &mut bytes)?;
+        self.cq_head = self.cq_head.wrapping_add(1);
+        self.map.store_u32(header::CQ_HEAD, self.cq_head)?;
+        Completion::decode(&bytes)
+            .map(Some)
+            .ok_or_else(|| io::Error::new(io::ErrorKind::InvalidData, "malformed completion"))
+    }
+
+    /// Waits up to `timeout` for the next completion.
+    pub fn wait(&mut self, timeout: Duration) -> io::Result<Option<Completion>> {
+        let deadline = std::time::Instant::now() + timeout;
+        loop {
+            if let Some(c) = self.poll()? {
+                return Ok(Some(c));
+            }
+            let left = deadline.saturating_duration_since(std::time::Instant::now());
+            if left.is_zero() {
+                return Ok(None);
+            }
+            let mut fds = [nix::poll::PollFd::new(
+                self.completions.as_fd(),
+                nix::poll::PollFlags::POLLIN,
+            )];
+            let ms = u16::try_from(left.as_millis().min(1000)).unwrap_or(1000);
+            nix::poll::poll(&mut fds, nix::poll::PollTimeout::from(ms))?;
+            let mut buf = [0u8; 8];
+            let _ = nix::unistd::read(std::os::fd::AsRawFd::as_raw_fd(&self.completions), &mut buf);
+        }
+    }
+}

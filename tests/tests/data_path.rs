@@ -1,0 +1,141 @@
+//! The shared-memory data path: work requests through a QP's rings, checked by the daemon
+//! against the session's regions, run on the device, completions back through the ring.
+//! Every test runs on loopback and, as `rxe_*`, on Soft-RoCE in the VM tier.
+
+rdmad_tests::on_both_providers!(
+    send_and_receive_through_the_rings / rxe_send_and_receive_through_the_rings,
+    hostile_submissions_fail_alone / rxe_hostile_submissions_fail_alone,
+);
+
+mod bodies {
+    use rdmad_tests::bus::PrivateBus;
+    use rdmad_tests::client::Client;
+    use rdmad_tests::daemon::{Daemon, DaemonOptions};
+    use rdmad_tests::NOBODY;
+
+    const OTHER: u32 = 1;
+
+    async fn daemon(provider: &str) -> (PrivateBus, Daemon) {
+        let bus = PrivateBus::start();
+        let daemon = Daemon::start(
+            &bus,
+            DaemonOptions {
+                provider: if provider == "verbs" {
+                    "verbs"
+                } else {
+                    "loopback"
+                },
+                ..DaemonOptions::default()
+            },
+        )
+        .await;
+        (bus, daemon)
+    }
+
+    /// Two processes of different users, each with a session, a region and a QP,
+    /// connected to each other.
+    fn connected_pair(bus: &PrivateBus) -> (Client, Client) {
+        let mut a = Client::start(bus, Some(NOBODY));
+        let mut b = Client::start(bus, Some(OTHER));
+        for c in [&mut a, &mut b] {
+            c.ok("open");
+            c.ok("alloc default 4096");
+        }
+        let dev = a.ok("devices")[0]["name"].as_str().unwrap().to_owned();
+        a.ok(&format!("qp {dev} 16 16"));
+        b.ok(&format!("qp {dev} 16 16"));
+        let ea = a.ok("endpoint 0");
+        let eb = b.ok("endpoint 0");
+        a.ok(&format!("connect 0 {eb}"));
+        b.ok(&format!("connect 0 {ea}"));
+        (a, b)
+    }
+
+    fn assert_completion(c: &serde_json::Value, wr_id: u64, status: &str, opcode: &str) {
+        assert_eq!(
+            (
+                c["wr_id"].as_u64(),
+                c["status"].as_str(),
+                c["opcode"].as_str()
+            ),
+            (Some(wr_id), Some(status), Some(opcode)),
+            "{c}"
+        );
+    }
+
+    pub async fn send_and_receive_through_the_rings(provider: &str) {
+        let (bus, _d) = daemon(provider).await;
+        let (mut a, mut b) = connected_pair(&bus);
+        b.ok("post 0 recv 0 100 64 7");
+        a.ok("write 0 0 hello-through-rdmad");
+        a.ok("post 0 send 0 0 19 1");
+        assert_completion(&a.ok("wait 0"), 1, "Success", "Send");
+        let got = b.ok("wait 0");
+        assert_completion(&got, 7, "Success", "Recv");
+        assert_eq!(got["byte_len"], 19);
+        assert_eq!(b.ok("read 0 100 19"), "hello-through-rdmad");
+
+        // A read-only attachment can be a source, never a destination.
+        let key = a.ok("share 0 ro")[0].as_str().unwrap().to_owned();
+        b.ok(&format!("attach {key}"));
+        a.ok("write 0 200 from-a-region");
+        a.ok("post 0 recv 0 300 64 8");
+        b.ok("post 0 send 1 200 13 2");
+        assert_completion(&b.ok("wait 0"), 2, "Success", "Send");
+        assert_completion(&a.ok("wait 0"), 8, "Success", "Recv");
+        assert_eq!(a.ok("read 0 300 13"), "from-a-region");
+        b.ok("post 0 recv 1 0 64 3");
+        let refused = b.ok("wait 0");
+        assert_completion(&refused, 3, "RegionAccessDenied", "Recv");
+    }
+
+    /// Malformed, foreign, out-of-bounds and flooding requests each fail with an error
+    /// completion; the QP and the daemon go on serving.
+    pub async fn hostile_submissions_fail_alone(provider: &str) {
+        let (bus, _d) = daemon(provider).await;
+        let (mut a, mut b) = connected_pair(&bus);
+        let mut stranger = Client::start(&bus, Some(OTHER));
+        stranger.ok("open");
+        let foreign = stranger.ok("alloc default 4096")[0]
+            .as_str()
+            .unwrap()
+            .rsplit('/')
+            .next()
+            .unwrap()
+            .to_owned();
+
+        a.ok("post-garbage 0 11");
+        assert_completion(&a.ok("wait 0"), 11, "InvalidEntry", "Send");
+        a.ok(&format!("post 0 send #{foreign} 0 8 12"));
+        assert_completion(&a.ok("wait 0"), 12, "RegionAccessDenied", "Send");
+        a.ok("post 0 send #999999 0 8 13");
+        assert_completion(&a.ok("wait 0"), 13, "RegionAccessDenied", "Send");
+        a.ok("post 0 send 0 4000 200 14");
+        assert_completion(&a.ok("wait 0"), 14, "RegionAccessDenied", "Send");
+        a.ok("post 0 send 0 18446744073709551615 8 15");
+        assert_completion(&a.ok("wait 0"), 15, "RegionAccessDenied", "Send");
+
+        // More receives than the queue holds: the extra ones are refused.
+        for i in 0..20 {
+            a.ok(&format!("post 0 recv 0 0 8 {}", 100 + i));
+        }
+        for i in 16..20 {
+            let c = a.ok("wait 0");
+            assert_completion(&c, 100 + i, "QueueFull", "Recv");
+            assert_eq!(c["detail"], 16, "the detail is the depth");
+        }
+
+        // An impossible ring index is reported and skipped.
+        b.ok("bad-tail 0");
+        assert_completion(&b.ok("wait 0"), 0, "InvalidEntry", "Send");
+
+        // The QPs still work: b's send lands in the first of a's receives.
+        b.ok("write 0 0 still-alive");
+        b.ok("post 0 send 0 0 8 20");
+        assert_completion(&b.ok("wait 0"), 20, "Success", "Send");
+        let got = a.ok("wait 0");
+        assert_completion(&got, 100, "Success", "Recv");
+        assert_eq!(got["byte_len"], 8);
+        assert_eq!(a.ok("read 0 0 8"), "still-al");
+    }
+}
