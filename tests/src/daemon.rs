@@ -202,3 +202,34 @@ pub fn rdmactl_ok(bus: &PrivateBus, uid: Option<u32>, args: &[&str]) -> String {
     );
     String::from_utf8(out.stdout).expect("utf-8 output")
 }
+
+/// A private bus and a daemon on it serving `provider` (`"loopback"` or `"verbs"`) with
+/// configuration `config`, ready.
+pub async fn start_on(provider: &str, config: &str) -> (PrivateBus, Daemon) {
+    let bus = PrivateBus::start();
+    let daemon = Daemon::start(
+        &bus,
+        DaemonOptions {
+            provider: if provider == "verbs" {
+                "verbs"
+            } else {
+                "loopback"
+            },
+            config: config.to_owned(),
+            ..DaemonOptions::default()
+        },
+    )
+    .await;
+    (bus, daemon)
+}
+
+/// `Manager.ObjectCounts`: live daemon and provider objects by kind.
+pub async fn object_counts(bus: &PrivateBus) -> std::collections::HashMap<String, u64> {
+    let connection = bus.connect().await;
+    rdmad_client::proxy::ManagerProxy::new(&connection)
+        .await
+        .expect("manager proxy")
+        .object_counts()
+        .await
+        .expect("ObjectCounts")
+}

@@ -10,27 +10,10 @@ rdmad_tests::on_both_providers!(
 mod bodies {
     use rdmad_tests::bus::PrivateBus;
     use rdmad_tests::client::Client;
-    use rdmad_tests::daemon::{Daemon, DaemonOptions};
+    use rdmad_tests::daemon::start_on;
     use rdmad_tests::NOBODY;
 
     const OTHER: u32 = 1;
-
-    async fn daemon(provider: &str) -> (PrivateBus, Daemon) {
-        let bus = PrivateBus::start();
-        let daemon = Daemon::start(
-            &bus,
-            DaemonOptions {
-                provider: if provider == "verbs" {
-                    "verbs"
-                } else {
-                    "loopback"
-                },
-                ..DaemonOptions::default()
-            },
-        )
-        .await;
-        (bus, daemon)
-    }
 
     /// Two processes of different users, each with a session, a region and a QP,
     /// connected to each other.
@@ -64,7 +47,7 @@ mod bodies {
     }
 
     pub async fn send_and_receive_through_the_rings(provider: &str) {
-        let (bus, _d) = daemon(provider).await;
+        let (bus, _d) = start_on(provider, "").await;
         let (mut a, mut b) = connected_pair(&bus);
         b.ok("post 0 recv 0 100 64 7");
         a.ok("write 0 0 hello-through-rdmad");
@@ -92,7 +75,7 @@ mod bodies {
     /// Malformed, foreign, out-of-bounds and flooding requests each fail with an error
     /// completion; the QP and the daemon go on serving.
     pub async fn hostile_submissions_fail_alone(provider: &str) {
-        let (bus, _d) = daemon(provider).await;
+        let (bus, _d) = start_on(provider, "").await;
         let (mut a, mut b) = connected_pair(&bus);
         let mut stranger = Client::start(&bus, Some(OTHER));
         stranger.ok("open");

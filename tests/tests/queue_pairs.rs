@@ -10,49 +10,20 @@ rdmad_tests::on_both_providers!(
 );
 
 mod bodies {
-    use rdmad_client::proxy::ManagerProxy;
     use rdmad_tests::bus::PrivateBus;
     use rdmad_tests::client::Client;
-    use rdmad_tests::daemon::{rdmactl_ok, Daemon, DaemonOptions};
+    use rdmad_tests::daemon::{object_counts, rdmactl_ok, start_on};
     use rdmad_tests::NOBODY;
     use serde_json::Value;
 
     const OTHER: u32 = 1;
 
-    async fn daemon(provider: &str, config: &str) -> (PrivateBus, Daemon) {
-        let bus = PrivateBus::start();
-        let daemon = Daemon::start(
-            &bus,
-            DaemonOptions {
-                provider: if provider == "verbs" {
-                    "verbs"
-                } else {
-                    "loopback"
-                },
-                config: config.to_owned(),
-                ..DaemonOptions::default()
-            },
-        )
-        .await;
-        (bus, daemon)
-    }
-
     fn device(client: &mut Client) -> String {
         client.ok("devices")[0]["name"].as_str().unwrap().to_owned()
     }
 
-    async fn counts(bus: &PrivateBus) -> std::collections::HashMap<String, u64> {
-        let c = bus.connect().await;
-        ManagerProxy::new(&c)
-            .await
-            .unwrap()
-            .object_counts()
-            .await
-            .unwrap()
-    }
-
     pub async fn two_processes_connect_their_queue_pairs(provider: &str) {
-        let (bus, _d) = daemon(provider, "").await;
+        let (bus, _d) = start_on(provider, "").await;
         let mut a = Client::start(&bus, Some(NOBODY));
         let mut b = Client::start(&bus, Some(OTHER));
         a.ok("open");
@@ -102,7 +73,7 @@ mod bodies {
     }
 
     pub async fn bad_endpoints_and_options_are_refused(provider: &str) {
-        let (bus, _d) = daemon(provider, "").await;
+        let (bus, _d) = start_on(provider, "").await;
         let mut a = Client::start(&bus, Some(NOBODY));
         a.ok("open");
         let dev = device(&mut a);
@@ -160,7 +131,7 @@ mod bodies {
     }
 
     pub async fn other_users_cannot_touch_a_queue_pair(provider: &str) {
-        let (bus, _d) = daemon(provider, "[quota.default]\nqps = 1\n").await;
+        let (bus, _d) = start_on(provider, "[quota.default]\nqps = 1\n").await;
         let mut owner = Client::start(&bus, Some(NOBODY));
         let mut intruder = Client::start(&bus, Some(OTHER));
         owner.ok("open");
@@ -189,8 +160,8 @@ mod bodies {
     }
 
     pub async fn queue_pairs_die_with_their_session(provider: &str) {
-        let (bus, _d) = daemon(provider, "").await;
-        let baseline = counts(&bus).await;
+        let (bus, _d) = start_on(provider, "").await;
+        let baseline = object_counts(&bus).await;
         let mut a = Client::start(&bus, Some(NOBODY));
         let mut b = Client::start(&bus, Some(OTHER));
         a.ok("open");
@@ -203,7 +174,7 @@ mod bodies {
         let eb = b.ok("endpoint 0");
         a.ok(&format!("connect 0 {eb}"));
         b.ok(&format!("connect 0 {ea}"));
-        let during = counts(&bus).await;
+        let during = object_counts(&bus).await;
         assert_eq!(during["qps"], baseline["qps"] + 3);
         assert_eq!(during["cqs"], baseline["cqs"] + 3);
         assert_eq!(during["queue_pairs"], 3);
@@ -234,7 +205,7 @@ mod bodies {
             .unwrap();
         let mut removed = objects.receive_interfaces_removed().await.unwrap();
         loop {
-            let now = counts(bus).await;
+            let now = object_counts(bus).await;
             if now["sessions"] == n {
                 return now;
             }

@@ -4,9 +4,8 @@
 
 use futures_util::StreamExt;
 use rdmad_client::proxy::ManagerProxy;
-use rdmad_tests::bus::PrivateBus;
 use rdmad_tests::client::Client;
-use rdmad_tests::daemon::{Daemon, DaemonOptions};
+use rdmad_tests::daemon::{object_counts, start_on};
 use rdmad_tests::NOBODY;
 use serde_json::Value;
 
@@ -36,36 +35,8 @@ mod bodies {
     const COLD: &str = "[[pool]]\nname = \"cold\"\ncapacity = \"64MiB\"\n\
                     size_classes = [\"4KiB\", \"64KiB\", \"1MiB\"]\n";
 
-    async fn daemon(provider: &str, config: &str) -> (PrivateBus, Daemon) {
-        let bus = PrivateBus::start();
-        let daemon = Daemon::start(
-            &bus,
-            DaemonOptions {
-                provider: if provider == "verbs" {
-                    "verbs"
-                } else {
-                    "loopback"
-                },
-                config: config.to_owned(),
-                ..DaemonOptions::default()
-            },
-        )
-        .await;
-        (bus, daemon)
-    }
-
-    async fn counts(bus: &PrivateBus) -> std::collections::HashMap<String, u64> {
-        let c = bus.connect().await;
-        ManagerProxy::new(&c)
-            .await
-            .unwrap()
-            .object_counts()
-            .await
-            .unwrap()
-    }
-
     pub async fn allocate_map_write_read_free(provider: &str) {
-        let (bus, _d) = daemon(provider, COLD).await;
+        let (bus, _d) = start_on(provider, COLD).await;
         let mut alice = Client::start(&bus, Some(NOBODY));
         alice.ok("open");
         let region = alice.ok("alloc cold 100");
@@ -96,12 +67,12 @@ mod bodies {
             (cold["used"].as_u64(), cold["regions"].as_u64()),
             (Some(4096), Some(1))
         );
-        assert_eq!(counts(&bus).await["mrs"], 1);
+        assert_eq!(object_counts(&bus).await["mrs"], 1);
 
         alice.ok("free 0");
         let gone = alice.err("info 0", "org.freedesktop.DBus.Error.UnknownObject");
         assert!(gone.contains("/org/rdmad1/region/"), "{gone}");
-        assert_eq!(counts(&bus).await["mrs"], 0);
+        assert_eq!(object_counts(&bus).await["mrs"], 0);
         // The client's mapping outlives the region; it is just no longer registered.
         assert_eq!(alice.ok("read 0 4000 5"), "hello");
 
@@ -117,7 +88,7 @@ mod bodies {
     /// A freed region's fd, kept by its first owner, never shows the next owner's data, and
     /// every new region reads as zero.
     pub async fn kept_descriptor_never_sees_the_next_owner(provider: &str) {
-        let (bus, _d) = daemon(provider, &format!("{COLD}[[pool]]\nname = \"warm\"\ncapacity = \"1MiB\"\nsize_classes = [\"4KiB\"]\nwarm = 4\n")).await;
+        let (bus, _d) = start_on(provider, &format!("{COLD}[[pool]]\nname = \"warm\"\ncapacity = \"1MiB\"\nsize_classes = [\"4KiB\"]\nwarm = 4\n")).await;
         let mut alice = Client::start(&bus, Some(NOBODY));
         let mut bob = Client::start(&bus, Some(OTHER));
         alice.ok("open");
@@ -144,7 +115,7 @@ mod bodies {
     }
 
     pub async fn read_only_and_read_write_attachments(provider: &str) {
-        let (bus, _d) = daemon(provider, COLD).await;
+        let (bus, _d) = start_on(provider, COLD).await;
         let mut owner = Client::start(&bus, Some(NOBODY));
         let mut reader = Client::start(&bus, Some(OTHER));
         owner.ok("open");
@@ -201,7 +172,7 @@ mod bodies {
     }
 
     pub async fn revoked_expired_and_freed_keys_stop_new_attaches(provider: &str) {
-        let (bus, _d) = daemon(provider, COLD).await;
+        let (bus, _d) = start_on(provider, COLD).await;
         let mut owner = Client::start(&bus, Some(NOBODY));
         let mut other = Client::start(&bus, Some(OTHER));
         owner.ok("open");
@@ -234,11 +205,11 @@ mod bodies {
             &format!("attach {}", live[0].as_str().unwrap()),
             "org.rdmad1.Error.NotAuthorized",
         );
-        assert_eq!(counts(&bus).await["keys"], 0);
+        assert_eq!(object_counts(&bus).await["keys"], 0);
     }
 
     pub async fn quota_refusal_names_limit_use_and_key(provider: &str) {
-        let (bus, _d) = daemon(
+        let (bus, _d) = start_on(
             provider,
             &format!("{COLD}[quota.default]\nregions = 2\nsessions = 1\n"),
         )
@@ -271,7 +242,7 @@ mod bodies {
 
     /// 64 requests racing for 10 regions: exactly 10 succeed.
     pub async fn concurrent_requests_from_one_uid_never_overshoot(provider: &str) {
-        let (bus, _d) = daemon(provider, &format!("{COLD}[quota.default]\nregions = 10\n")).await;
+        let (bus, _d) = start_on(provider, &format!("{COLD}[quota.default]\nregions = 10\n")).await;
         let connection = bus.connect().await;
         let manager = ManagerProxy::new(&connection).await.unwrap();
         let session = manager.open_session(Default::default()).await.unwrap();
@@ -294,8 +265,8 @@ mod bodies {
     /// A client killed with SIGKILL loses everything within a second; counts return to the
     /// baseline.
     pub async fn sigkill_releases_everything_within_a_second(provider: &str) {
-        let (bus, _d) = daemon(provider, COLD).await;
-        let baseline = counts(&bus).await;
+        let (bus, _d) = start_on(provider, COLD).await;
+        let baseline = object_counts(&bus).await;
         let connection = bus.connect().await;
         let objects = zbus::fdo::ObjectManagerProxy::builder(&connection)
             .destination(rdmad_client::BUS_NAME)
@@ -315,7 +286,7 @@ mod bodies {
         victim.ok("alloc cold 1048576");
         let key = victim.ok("share 0 rw");
         peer.ok(&format!("attach {}", key[0].as_str().unwrap()));
-        assert_eq!(counts(&bus).await["mrs"], baseline["mrs"] + 2);
+        assert_eq!(object_counts(&bus).await["mrs"], baseline["mrs"] + 2);
 
         victim.kill();
         let deadline = std::time::Duration::from_secs(1);
@@ -331,7 +302,7 @@ mod bodies {
             gone.is_ok(),
             "the session object was not removed within {deadline:?}"
         );
-        let after = counts(&bus).await;
+        let after = object_counts(&bus).await;
         for kind in ["regions", "keys", "mrs", "pds", "mws", "cqs", "qps"] {
             assert_eq!(
                 after[kind], baseline[kind],
@@ -349,7 +320,7 @@ mod bodies {
     /// Every call on another user's objects is refused and changes nothing; administrators
     /// see and close everything.
     pub async fn authorization_matrix(provider: &str) {
-        let (bus, _d) = daemon(provider, COLD).await;
+        let (bus, _d) = start_on(provider, COLD).await;
         let mut owner = Client::start(&bus, Some(NOBODY));
         let mut intruder = Client::start(&bus, Some(OTHER));
         let mut same_user_elsewhere = Client::start(&bus, Some(NOBODY));
@@ -406,7 +377,7 @@ mod bodies {
     /// `rdmactl pool|session|region|quota|key`, text and JSON, as the user and as root.
     pub async fn rdmactl_shows_and_controls_sessions_regions_and_keys(provider: &str) {
         use rdmad_tests::daemon::{rdmactl, rdmactl_ok};
-        let (bus, _d) = daemon(provider, &format!("{COLD}[quota.default]\nregions = 7\n")).await;
+        let (bus, _d) = start_on(provider, &format!("{COLD}[quota.default]\nregions = 7\n")).await;
         let mut alice = Client::start(&bus, Some(NOBODY));
         let session = alice.ok("open");
         let session_id: u64 = session
