@@ -233,3 +233,32 @@ pub async fn object_counts(bus: &PrivateBus) -> std::collections::HashMap<String
         .await
         .expect("ObjectCounts")
 }
+
+/// Waits (on the ObjectManager's `InterfacesRemoved` signals, never by sleeping) until `n`
+/// sessions remain; returns the object counts then.
+pub async fn wait_for_sessions(bus: &PrivateBus, n: u64) -> std::collections::HashMap<String, u64> {
+    let connection = bus.connect().await;
+    let objects = zbus::fdo::ObjectManagerProxy::builder(&connection)
+        .destination(rdmad_client::BUS_NAME)
+        .expect("bus name")
+        .path(rdmad_client::MANAGER_PATH)
+        .expect("path")
+        .build()
+        .await
+        .expect("ObjectManager proxy");
+    let mut removed = objects
+        .receive_interfaces_removed()
+        .await
+        .expect("subscribe to InterfacesRemoved");
+    loop {
+        let now = object_counts(bus).await;
+        if now["sessions"] == n {
+            return now;
+        }
+        tokio::time::timeout(TIMEOUT, removed.next())
+            .await
+            .unwrap_or_else(|_| {
+                panic!("sessions did not go down to {n} within {TIMEOUT:?}: {now:?}")
+            });
+    }
+}

@@ -4,13 +4,14 @@
 
 rdmad_tests::on_both_providers!(
     send_and_receive_through_the_rings / rxe_send_and_receive_through_the_rings,
+    sigkill_mid_transfer_releases_everything / rxe_sigkill_mid_transfer_releases_everything,
     hostile_submissions_fail_alone / rxe_hostile_submissions_fail_alone,
 );
 
 mod bodies {
     use rdmad_tests::bus::PrivateBus;
     use rdmad_tests::client::Client;
-    use rdmad_tests::daemon::start_on;
+    use rdmad_tests::daemon::{object_counts, start_on, wait_for_sessions};
     use rdmad_tests::NOBODY;
 
     const OTHER: u32 = 1;
@@ -120,5 +121,36 @@ mod bodies {
         assert_completion(&got, 100, "Success", "Recv");
         assert_eq!(got["byte_len"], 8);
         assert_eq!(a.ok("read 0 0 8"), "still-al");
+    }
+
+    /// Clients killed with SIGKILL while requests are in flight (sends waiting for
+    /// receives) leave nothing behind.
+    pub async fn sigkill_mid_transfer_releases_everything(provider: &str) {
+        let (bus, _d) = start_on(
+            provider,
+            "[[pool]]\nname = \"default\"\ncapacity = \"16MiB\"\nsize_classes = [\"4KiB\"]\n",
+        )
+        .await;
+        let baseline = object_counts(&bus).await;
+        let (mut a, mut b) = connected_pair(&bus);
+        for i in 0..8 {
+            a.ok(&format!("post 0 recv 0 {} 64 {i}", i * 64));
+        }
+        for i in 0..16 {
+            // The first 8 land, the other 8 wait for receives that never come.
+            b.ok(&format!("post 0 send 0 0 32 {}", 100 + i));
+        }
+        let _ = b.ok("wait 0");
+        let during = object_counts(&bus).await;
+        assert_eq!(during["qps"], baseline["qps"] + 2);
+        a.kill();
+        b.kill();
+        let after = wait_for_sessions(&bus, 0).await;
+        for kind in ["qps", "cqs", "mws", "mrs", "regions", "queue_pairs", "keys"] {
+            assert_eq!(
+                after[kind], baseline[kind],
+                "{kind}: {after:?} vs {baseline:?}"
+            );
+        }
     }
 }

@@ -10,9 +10,8 @@ rdmad_tests::on_both_providers!(
 );
 
 mod bodies {
-    use rdmad_tests::bus::PrivateBus;
     use rdmad_tests::client::Client;
-    use rdmad_tests::daemon::{object_counts, rdmactl_ok, start_on};
+    use rdmad_tests::daemon::{object_counts, rdmactl_ok, start_on, wait_for_sessions};
     use rdmad_tests::NOBODY;
     use serde_json::Value;
 
@@ -188,30 +187,6 @@ mod bodies {
                 settled[kind], baseline[kind],
                 "{kind}: {settled:?} vs {baseline:?}"
             );
-        }
-    }
-
-    /// Waits (on the ObjectManager's InterfacesRemoved signals) until `n` sessions remain.
-    async fn wait_for_sessions(bus: &PrivateBus, n: u64) -> std::collections::HashMap<String, u64> {
-        use futures_util::StreamExt;
-        let c = bus.connect().await;
-        let objects = zbus::fdo::ObjectManagerProxy::builder(&c)
-            .destination(rdmad_client::BUS_NAME)
-            .unwrap()
-            .path(rdmad_client::MANAGER_PATH)
-            .unwrap()
-            .build()
-            .await
-            .unwrap();
-        let mut removed = objects.receive_interfaces_removed().await.unwrap();
-        loop {
-            let now = object_counts(bus).await;
-            if now["sessions"] == n {
-                return now;
-            }
-            tokio::time::timeout(rdmad_tests::TIMEOUT, removed.next())
-                .await
-                .expect("sessions were not closed in time");
         }
     }
 }
