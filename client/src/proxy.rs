@@ -136,6 +136,15 @@ pub trait Region {
     fn share(&self, options: Options<'_>) -> Result<(String, u64), Error>;
     /// Revokes one of this region's keys.
     fn revoke_key(&self, key_id: u64) -> Result<(), Error>;
+    /// Binds a window over the region through queue pair `qp` for its peer; option
+    /// `access` (letters r, w, a; default "rw"). Returns `(addr, rkey, length, export id)`.
+    fn export_remote(
+        &self,
+        qp: &zbus::zvariant::ObjectPath<'_>,
+        options: Options<'_>,
+    ) -> Result<(u64, u32, u64, u64), Error>;
+    /// Invalidates an export.
+    fn release_export(&self, export_id: u64) -> Result<(), Error>;
     /// Ends the caller's attachment.
     fn detach(&self) -> Result<(), Error>;
     fn get_info(&self) -> Result<RegionInfo, Error>;

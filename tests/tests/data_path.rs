@@ -5,6 +5,8 @@
 rdmad_tests::on_both_providers!(
     send_and_receive_through_the_rings / rxe_send_and_receive_through_the_rings,
     sigkill_mid_transfer_releases_everything / rxe_sigkill_mid_transfer_releases_everything,
+    remote_access_through_exports_until_released / rxe_remote_access_through_exports_until_released,
+    released_and_freed_exports_refuse_their_rkey / rxe_released_and_freed_exports_refuse_their_rkey,
     hostile_submissions_fail_alone / rxe_hostile_submissions_fail_alone,
 );
 
@@ -150,6 +152,70 @@ mod bodies {
             assert_eq!(
                 after[kind], baseline[kind],
                 "{kind}: {after:?} vs {baseline:?}"
+            );
+        }
+    }
+
+    /// A peer writes, reads and adds into a region through the rkey of an export; once
+    /// the export is released (or the region freed) the same rkey gets a remote access
+    /// error and never the memory.
+    pub async fn remote_access_through_exports_until_released(provider: &str) {
+        let (bus, _d) = start_on(provider, "").await;
+        let (mut a, mut b) = connected_pair(&bus);
+        let export = a.ok("export 0 0 rwa");
+        let (addr, rkey) = (export[0].as_u64().unwrap(), export[1].as_u64().unwrap());
+        assert_eq!(export[2], 4096);
+
+        b.ok("write 0 0 remote-write");
+        b.ok(&format!("post 0 write 0 0 12 1 {} {rkey}", addr + 100));
+        assert_completion(&b.ok("wait 0"), 1, "Success", "Write");
+        assert_eq!(a.ok("read 0 100 12"), "remote-write");
+
+        a.ok("write 0 2000 readable");
+        b.ok(&format!("post 0 read 0 500 8 2 {} {rkey}", addr + 2000));
+        assert_completion(&b.ok("wait 0"), 2, "Success", "Read");
+        assert_eq!(b.ok("read 0 500 8"), "readable");
+
+        b.ok(&format!("post 0 fadd 0 1024 8 3 {} {rkey}", addr + 3000));
+        assert_completion(&b.ok("wait 0"), 3, "Success", "FetchAdd");
+
+        // Beyond the region: refused by the device.
+        b.ok(&format!("post 0 write 0 0 12 4 {} {rkey}", addr + 4090));
+        let beyond = b.ok("wait 0");
+        assert_eq!(beyond["status"], "RemoteAccessError", "{beyond}");
+    }
+
+    /// After `ReleaseExport`, and after freeing the region, the old rkey is refused.
+    pub async fn released_and_freed_exports_refuse_their_rkey(provider: &str) {
+        let (bus, _d) = start_on(provider, "").await;
+        for how in ["release", "free"] {
+            let (mut a, mut b) = connected_pair(&bus);
+            let export = a.ok("export 0 0 w");
+            let (addr, rkey, id) = (
+                export[0].as_u64().unwrap(),
+                export[1].as_u64().unwrap(),
+                export[3].as_u64().unwrap(),
+            );
+            b.ok("write 0 0 first");
+            b.ok(&format!("post 0 write 0 0 5 1 {addr} {rkey}"));
+            assert_completion(&b.ok("wait 0"), 1, "Success", "Write");
+            assert_eq!(a.ok("read 0 0 5"), "first");
+            match how {
+                "release" => a.ok(&format!("unexport 0 {id}")),
+                _ => a.ok("free 0"),
+            };
+            b.ok("write 0 0 stale");
+            b.ok(&format!("post 0 write 0 0 5 2 {addr} {rkey}"));
+            let c = b.ok("wait 0");
+            assert_eq!(
+                (c["wr_id"].as_u64(), c["status"].as_str()),
+                (Some(2), Some("RemoteAccessError")),
+                "{how}: {c}"
+            );
+            assert_eq!(
+                a.ok("read 0 0 5"),
+                "first",
+                "{how}: the memory was not touched"
             );
         }
     }

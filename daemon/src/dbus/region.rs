@@ -81,6 +81,65 @@ impl RegionObject {
         Ok((token, key))
     }
 
+    /// Makes the region reachable by the peer of queue pair `qp` (yours, connected, on the
+    /// region's device): binds a type-2 memory window over the whole region through it.
+    /// Option `access`: any of `r` (RDMA READ), `w` (RDMA WRITE), `a` (atomics); default
+    /// `"rw"`. Returns `(addr, rkey, length, export id)`; give the peer the first three.
+    /// `ReleaseExport`, freeing the region, destroying the QP or ending the session
+    /// invalidates the rkey.
+    async fn export_remote(
+        &self,
+        qp: zbus::zvariant::ObjectPath<'_>,
+        options: HashMap<String, OwnedValue>,
+        #[zbus(header)] header: Header<'_>,
+        #[zbus(connection)] connection: &Connection,
+    ) -> Result<(u64, u32, u64, u64), Error> {
+        let opts = Options::new("ExportRemote", &options, &["access"])?;
+        let letters = opts.string("access")?.unwrap_or_else(|| "rw".to_owned());
+        let mut access = crate::provider::Access::NONE;
+        for c in letters.chars() {
+            access = access.union(match c {
+                'r' => crate::provider::Access::REMOTE_READ,
+                'w' => crate::provider::Access::REMOTE_WRITE,
+                'a' => crate::provider::Access::REMOTE_ATOMIC,
+                _ => {
+                    return Err(Error::InvalidArgument(format!(
+                        "ExportRemote: access {letters:?}: use letters r, w and a"
+                    )))
+                }
+            });
+        }
+        if access == crate::provider::Access::NONE {
+            return Err(Error::InvalidArgument(
+                "ExportRemote: access must grant something".into(),
+            ));
+        }
+        let qp_id = rdmad_client::names::object_id(qp.as_str())
+            .filter(|_| qp.as_str().starts_with(rdmad_client::names::QP_PATH_PREFIX))
+            .ok_or_else(|| Error::InvalidArgument(format!("{qp} is not a queue pair's path")))?;
+        let caller = self.ctx.caller(connection, &header).await?;
+        let (export, addr, rkey, len) = self
+            .ctx
+            .engine
+            .export_remote(&caller, self.id, qp_id, access)?;
+        tracing::info!(region = self.id, qp = qp_id, export, "region exported");
+        Ok((addr, rkey, len, export))
+    }
+
+    /// Invalidates an export: the rkey it gave stops working.
+    async fn release_export(
+        &self,
+        export_id: u64,
+        #[zbus(header)] header: Header<'_>,
+        #[zbus(connection)] connection: &Connection,
+    ) -> Result<(), Error> {
+        let caller = self.ctx.caller(connection, &header).await?;
+        Ok(self
+            .ctx
+            .engine
+            .release_export(&caller, self.id, export_id)?)
+    }
+
     /// Revokes one of this region's keys (new attaches stop; live attachments stay).
     async fn revoke_key(
         &self,

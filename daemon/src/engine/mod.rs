@@ -169,6 +169,78 @@ impl Engine {
         Ok((id, record))
     }
 
+    /// Binds a type-2 window over region `region` through QP `qp` (both the caller's, on
+    /// one device, the QP connected) so the QP's peer can reach it with `access`. Returns
+    /// the export id and what the peer needs: `(addr, rkey, length)`.
+    pub fn export_remote(
+        &self,
+        caller: &crate::policy::Caller,
+        region: RegionId,
+        qp_id: qp::QpId,
+        access: crate::provider::Access,
+    ) -> Result<(qp::ExportId, u64, u32, u64), EngineError> {
+        use crate::provider::{MwType, QpState, SendOp};
+        let q = self.registry.own_qp(caller, qp_id)?;
+        let (mr, device) = self.registry.own_region_mr(caller, region)?;
+        if device != q.device {
+            return Err(EngineError::InvalidArgument(format!(
+                "region {region} is registered on {device}, queue pair {qp_id} is on {}",
+                q.device
+            )));
+        }
+        if q.state() != QpState::Rts {
+            return Err(EngineError::InvalidArgument(format!(
+                "queue pair {qp_id} is not connected: Connect it before exporting through it"
+            )));
+        }
+        let entry = self.device(&q.device)?;
+        let window = entry.pd.alloc_mw(MwType::Type2)?;
+        let worker = self
+            .workers
+            .get(&q.device)
+            .ok_or_else(|| EngineError::Io(format!("no data-path worker for {}", q.device)))?;
+        worker
+            .run(
+                qp_id,
+                SendOp::BindMw {
+                    mw: Arc::clone(&window),
+                    mr: Arc::clone(&mr),
+                    addr: mr.addr(),
+                    len: mr.len() as u64,
+                    access,
+                },
+            )
+            .map_err(|e| {
+                EngineError::Io(format!("cannot bind a window over region {region}: {e}"))
+            })?;
+        let rkey = window.rkey();
+        let export = self.registry.add_export(region, qp_id, window)?;
+        Ok((export, mr.addr(), rkey, mr.len() as u64))
+    }
+
+    /// Invalidates and releases an export: the peer's rkey stops working.
+    pub fn release_export(
+        &self,
+        caller: &crate::policy::Caller,
+        region: RegionId,
+        export: qp::ExportId,
+    ) -> Result<(), EngineError> {
+        let (qp_id, window) = self.registry.remove_export(caller, region, export)?;
+        let device = self
+            .registry
+            .own_qp(caller, qp_id)
+            .map(|q| q.device.clone());
+        if let Some(worker) = device.ok().and_then(|d| self.workers.get(&d)) {
+            let rkey = window.rkey();
+            if let Err(e) = worker.run(qp_id, crate::provider::SendOp::LocalInvalidate { rkey }) {
+                // Dropping the window below invalidates it as well.
+                tracing::warn!(region, export, "invalidation failed: {e}");
+            }
+        }
+        drop(window);
+        Ok(())
+    }
+
     pub fn pools(&self) -> &[Arc<Pool>] {
         &self.pools
     }

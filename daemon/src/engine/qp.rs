@@ -2,6 +2,7 @@
 //! ring memfd and eventfds of the data path, the endpoint a peer needs, and the connection
 //! to that peer. Teardown releases windows before the QP and the QP before its CQ.
 
+use std::collections::BTreeMap;
 use std::net::Ipv6Addr;
 use std::os::fd::OwnedFd;
 use std::sync::{Arc, Mutex};
@@ -11,11 +12,19 @@ use rdmad_client::ring::Layout;
 use super::{DeviceEntry, EngineError};
 use crate::memory::SharedMemory;
 use crate::provider::{
-    Access, CompletionQueue, Device, GidEntry, GidType, QpInit, QpState, QueuePair, RemoteEndpoint,
-    RtrAttributes, RtsAttributes,
+    Access, CompletionQueue, Device, GidEntry, GidType, MemoryWindow, QpInit, QpState, QueuePair,
+    RemoteEndpoint, RtrAttributes, RtsAttributes,
 };
 
 pub type QpId = u64;
+pub type ExportId = u64;
+
+/// A region made reachable by a peer: a type-2 window bound over it through one QP.
+#[derive(Debug)]
+pub struct Export {
+    pub region: super::RegionId,
+    pub window: Arc<dyn MemoryWindow>,
+}
 
 /// What a client may ask of a new QP (`CreateQueuePair` options).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -87,7 +96,10 @@ pub struct QueuePairRecord {
     pub owner_uid: u32,
     pub device: String,
     pub options: QpOptions,
-    // Field order is drop order: the QP before its CQ.
+    // Field order is drop order: windows bound through the QP, then the QP (rxe blocks
+    // destroying a QP with a valid type-2 window), then its CQ.
+    /// Memory windows bound through this QP for peers, by export id.
+    pub exports: Mutex<BTreeMap<ExportId, Export>>,
     pub qp: Arc<dyn QueuePair>,
     pub cq: Arc<dyn CompletionQueue>,
     /// Submission and completion rings (see `rdmad_client::ring`).
@@ -190,6 +202,7 @@ pub fn create(
         owner_uid,
         device: entry.device.name().to_owned(),
         options,
+        exports: Mutex::new(BTreeMap::new()),
         qp,
         cq,
         ring: Arc::new(ring),

@@ -8,7 +8,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime};
 
 use super::pool::{Pool, PoolError};
-use super::qp::{self, QpId, QpOptions, QueuePairRecord};
+use super::qp::{self, Export, ExportId, QpId, QpOptions, QueuePairRecord};
 use super::DeviceEntry;
 use super::EngineError;
 use crate::config::{Config, QuotaKind};
@@ -64,6 +64,8 @@ struct Region {
     mr: Arc<dyn MemoryRegion>,
     keys: BTreeSet<KeyId>,
     attached: BTreeMap<SessionId, AttachMode>,
+    /// Windows bound over it for peers: (queue pair, export).
+    exports: BTreeSet<(QpId, ExportId)>,
 }
 
 impl Region {
@@ -92,6 +94,7 @@ struct State {
     last_region: RegionId,
     last_key: KeyId,
     last_qp: QpId,
+    last_export: ExportId,
 }
 
 /// What a teardown removed, so the D-Bus layer can withdraw the objects.
@@ -114,17 +117,21 @@ impl Removed {
 /// their windows) before the registrations they may have used.
 #[derive(Default)]
 struct Garbage {
+    windows: Vec<Arc<dyn crate::provider::MemoryWindow>>,
     qps: Vec<Arc<QueuePairRecord>>,
     mrs: Vec<Arc<dyn MemoryRegion>>,
 }
 
 impl Garbage {
     fn extend(&mut self, other: Garbage) {
+        self.windows.extend(other.windows);
         self.qps.extend(other.qps);
         self.mrs.extend(other.mrs);
     }
 
+    /// Windows (their rkeys die) before queue pairs before registrations.
     fn release(self) {
+        drop(self.windows);
         drop(self.qps);
         drop(self.mrs);
     }
@@ -338,8 +345,8 @@ impl Registry {
             }
         }
         for region in session.regions {
-            if let Some(mr) = Self::remove_region(s, region) {
-                garbage.mrs.push(mr);
+            if let Some(g) = Self::remove_region(s, region) {
+                garbage.extend(g);
                 removed.regions.push(region);
             }
         }
@@ -350,9 +357,18 @@ impl Registry {
         (removed, garbage)
     }
 
-    /// Removes a region with its keys and attachments; returns its registration to drop.
-    fn remove_region(s: &mut State, id: RegionId) -> Option<Arc<dyn MemoryRegion>> {
+    /// Removes a region with its keys, attachments and exports; returns its registration
+    /// and windows to drop.
+    fn remove_region(s: &mut State, id: RegionId) -> Option<Garbage> {
         let region = s.regions.remove(&id)?;
+        let mut garbage = Garbage::default();
+        for (qp, export) in &region.exports {
+            if let Some(record) = s.qps.get(qp) {
+                if let Some(e) = lock(&record.exports).remove(export) {
+                    garbage.windows.push(e.window);
+                }
+            }
+        }
         for key in &region.keys {
             s.keys.remove(key);
         }
@@ -372,7 +388,8 @@ impl Registry {
         }
         region.pool.release(size);
         Self::forget_idle_user(s, region.owner_uid);
-        Some(region.mr)
+        garbage.mrs.push(region.mr);
+        Some(garbage)
     }
 
     fn forget_idle_user(s: &mut State, uid: u32) {
@@ -473,6 +490,7 @@ impl Registry {
                 mr,
                 keys: BTreeSet::new(),
                 attached: BTreeMap::new(),
+                exports: BTreeSet::new(),
             },
         );
         Ok(Handout {
@@ -510,9 +528,11 @@ impl Registry {
     pub fn free(&self, caller: &Caller, id: RegionId) -> Result<(), EngineError> {
         let mut s = lock(&self.state);
         Self::own_region(&s, caller, id)?;
-        let mr = Self::remove_region(&mut s, id);
+        let garbage = Self::remove_region(&mut s, id);
         drop(s);
-        drop(mr);
+        if let Some(g) = garbage {
+            g.release();
+        }
         Ok(())
     }
 
@@ -897,7 +917,7 @@ impl Registry {
             &[id],
             Garbage {
                 qps: vec![record],
-                mrs: Vec::new(),
+                ..Garbage::default()
             },
         );
         Ok(())
@@ -912,6 +932,78 @@ impl Registry {
             .filter(|(_, q)| admin || q.owner_uid == caller.uid)
             .map(|(id, q)| (*id, Arc::clone(q)))
             .collect()
+    }
+
+    /// The registration of a region the caller's connection owns, and its device.
+    pub fn own_region_mr(
+        &self,
+        caller: &Caller,
+        id: RegionId,
+    ) -> Result<(Arc<dyn MemoryRegion>, String), EngineError> {
+        let s = lock(&self.state);
+        let r = Self::own_region(&s, caller, id)?;
+        Ok((Arc::clone(&r.mr), r.pool.device.clone()))
+    }
+
+    /// Records a window bound over region `id` through `qp`; returns the export id, or
+    /// gives the window back if the region or QP went away meanwhile.
+    pub fn add_export(
+        &self,
+        id: RegionId,
+        qp: QpId,
+        window: Arc<dyn crate::provider::MemoryWindow>,
+    ) -> Result<ExportId, EngineError> {
+        let mut s = lock(&self.state);
+        let record = s
+            .qps
+            .get(&qp)
+            .cloned()
+            .ok_or(EngineError::NoSuchObject(format!("queue pair {qp}")))?;
+        if !s.regions.contains_key(&id) {
+            return Err(EngineError::NoSuchObject(format!("region {id}")));
+        }
+        s.last_export += 1;
+        let export = s.last_export;
+        s.regions
+            .get_mut(&id)
+            .expect("checked")
+            .exports
+            .insert((qp, export));
+        lock(&record.exports).insert(export, Export { region: id, window });
+        Ok(export)
+    }
+
+    /// Removes an export of a region the caller owns; returns its QP and window (the
+    /// caller invalidates, then drops it).
+    pub fn remove_export(
+        &self,
+        caller: &Caller,
+        id: RegionId,
+        export: ExportId,
+    ) -> Result<(QpId, Arc<dyn crate::provider::MemoryWindow>), EngineError> {
+        let mut s = lock(&self.state);
+        Self::own_region(&s, caller, id)?;
+        let (qp, _) = *s.regions[&id]
+            .exports
+            .iter()
+            .find(|(_, e)| *e == export)
+            .ok_or(EngineError::NoSuchObject(format!(
+                "export {export} of region {id}"
+            )))?;
+        s.regions
+            .get_mut(&id)
+            .expect("checked")
+            .exports
+            .remove(&(qp, export));
+        let window = s
+            .qps
+            .get(&qp)
+            .and_then(|r| lock(&r.exports).remove(&export))
+            .map(|e| e.window)
+            .ok_or(EngineError::NoSuchObject(format!(
+                "export {export} (its queue pair is gone)"
+            )))?;
+        Ok((qp, window))
     }
 
     /// What the session's QPs may touch: its own regions read-write, attached regions as

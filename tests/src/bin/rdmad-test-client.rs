@@ -20,6 +20,7 @@
 //!   post Q OP REGION OFFSET LEN WRID [REMOTE_ADDR RKEY]   (OP: send recv write read fadd;
 //!                                 REGION: index of a held region, or #ID for any id)
 //!   post-garbage Q WRID | bad-tail Q | wait Q → completion JSON (60 s at most)
+//!   export N Q [ACCESS] → [addr, rkey, len, export id] | unexport N EXPORT
 //!   sessions | regions | pools | qps | devices | quota UID | reload
 //!   exit
 
@@ -335,6 +336,23 @@ async fn main() {
                         Err(_) => Ok(json!("ring full")),
                     }
                 }
+                "export" => {
+                    // export REGION_IDX QP_IDX [ACCESS] → [addr, rkey, len, export id]
+                    let qp = zbus::zvariant::ObjectPath::try_from(qps[num(1) as usize].as_str())
+                        .map_err(|e| Error::InvalidArgument(e.to_string()))?;
+                    let mut options = Options::new();
+                    if !arg(2).is_empty() {
+                        options.insert("access", ZValue::from(arg(2)));
+                    }
+                    let r = region(&c, &held[num(0) as usize].path).await?;
+                    let (addr, rkey, len, export) = r.export_remote(&qp, options).await?;
+                    Ok(json!([addr, rkey, len, export]))
+                }
+                "unexport" => region(&c, &held[num(0) as usize].path)
+                    .await?
+                    .release_export(num(1))
+                    .await
+                    .map(|()| Value::Null),
                 "post-garbage" => {
                     let mut entry = [0u8; rdmad_client::ring::SQE_SIZE];
                     entry[0] = 0xee;

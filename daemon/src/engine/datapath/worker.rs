@@ -45,6 +45,8 @@ struct InFlight {
 struct QpState {
     id: QpId,
     record: Arc<QueuePairRecord>,
+    /// The daemon's own requests (window binds and invalidations) and who waits for them.
+    internal: HashMap<u64, std::sync::mpsc::Sender<Result<(), String>>>,
     sq_head: u32,
     cq_tail: u32,
     next_wr: u64,
@@ -59,6 +61,7 @@ impl QpState {
         QpState {
             id,
             record,
+            internal: HashMap::new(),
             sq_head: 0,
             cq_tail: 0,
             next_wr: 1,
@@ -197,6 +200,15 @@ impl QpState {
         }
         let any = !wcs.is_empty();
         for wc in wcs {
+            if let Some(waiter) = self.internal.remove(&wc.wr_id) {
+                self.sends -= 1;
+                let result = match wc.status {
+                    WcStatus::Success => Ok(()),
+                    other => Err(format!("the device answered {other:?}")),
+                };
+                let _ = waiter.send(result);
+                continue;
+            }
             let Some(flight) = self.in_flight.remove(&wc.wr_id) else {
                 continue;
             };
@@ -260,6 +272,47 @@ impl QpState {
     }
 }
 
+/// Work the engine asks a worker to post on a QP: memory-window binds and invalidations
+/// go through the QP's own send queue, so they are ordered with the client's requests.
+pub struct Command {
+    pub qp: QpId,
+    pub op: crate::provider::SendOp,
+    pub reply: std::sync::mpsc::Sender<Result<(), String>>,
+}
+
+/// Internal request ids have the top bit set; the client's never reach the device.
+const INTERNAL: u64 = 1 << 63;
+
+impl QpState {
+    fn run_command(
+        &mut self,
+        op: crate::provider::SendOp,
+        reply: std::sync::mpsc::Sender<Result<(), String>>,
+    ) {
+        if self.sends >= self.record.options.send_depth {
+            let _ = reply.send(Err("the queue pair's send queue is full".into()));
+            return;
+        }
+        let wr_id = INTERNAL | self.next_wr;
+        self.next_wr += 1;
+        let wr = crate::provider::SendWr {
+            wr_id,
+            op,
+            sges: Vec::new(),
+            signaled: true,
+        };
+        match self.record.qp.post_send(std::slice::from_ref(&wr)) {
+            Ok(()) => {
+                self.sends += 1;
+                self.internal.insert(wr_id, reply);
+            }
+            Err(e) => {
+                let _ = reply.send(Err(e.to_string()));
+            }
+        }
+    }
+}
+
 fn status_of(s: WcStatus) -> Status {
     match s {
         WcStatus::Success => Status::Success,
@@ -305,6 +358,7 @@ impl WorkerQps {
 /// A running worker; dropping it stops the thread.
 pub struct Worker {
     qps: Arc<WorkerQps>,
+    commands: Arc<Mutex<Vec<Command>>>,
     wake: OwnedFd,
     stop: Arc<std::sync::atomic::AtomicBool>,
     thread: Option<std::thread::JoinHandle<()>>,
@@ -335,21 +389,36 @@ impl Worker {
         spin: Duration,
     ) -> std::io::Result<Worker> {
         let qps = Arc::new(WorkerQps::default());
+        let commands: Arc<Mutex<Vec<Command>>> = Arc::default();
         let wake = eventfd()?;
         let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
         let thread = {
-            let (qps, stop) = (Arc::clone(&qps), Arc::clone(&stop));
+            let (qps, stop, commands) =
+                (Arc::clone(&qps), Arc::clone(&stop), Arc::clone(&commands));
             let wake = wake.try_clone()?;
             std::thread::Builder::new()
                 .name(format!("rdmad-dp-{device}"))
-                .spawn(move || run(&qps, &registry, &wake, &stop, spin))?
+                .spawn(move || run(&qps, &commands, &registry, &wake, &stop, spin))?
         };
         Ok(Worker {
             qps,
+            commands,
             wake,
             stop,
             thread: Some(thread),
         })
+    }
+
+    /// Posts `op` on QP `qp` and waits for its completion (bounded: a device that never
+    /// answers is an error, not a hang).
+    pub fn run(&self, qp: QpId, op: crate::provider::SendOp) -> Result<(), String> {
+        let (reply, answer) = std::sync::mpsc::channel();
+        lock(&self.commands).push(Command { qp, op, reply });
+        self.poke();
+        match answer.recv_timeout(Duration::from_secs(60)) {
+            Ok(result) => result,
+            Err(_) => Err("the device did not complete the request within 60 s".into()),
+        }
     }
 
     /// Starts serving a QP's rings.
@@ -391,6 +460,7 @@ impl Drop for Worker {
 
 fn run(
     shared: &WorkerQps,
+    commands: &Mutex<Vec<Command>>,
     registry: &std::sync::Weak<Registry>,
     wake: &OwnedFd,
     stop: &std::sync::atomic::AtomicBool,
@@ -414,6 +484,17 @@ fn run(
             shared.applied_cv.notify_all();
         }
         let mut busy = false;
+        for command in std::mem::take(&mut *lock(commands)) {
+            busy = true;
+            match qps.iter_mut().find(|q| q.id == command.qp) {
+                Some(q) => q.run_command(command.op, command.reply),
+                None => {
+                    let _ = command
+                        .reply
+                        .send(Err(format!("queue pair {} is not served", command.qp)));
+                }
+            }
+        }
         for q in &mut qps {
             let sq_tail = q.record.ring.load_u32(header::SQ_TAIL).unwrap_or(q.sq_head);
             if sq_tail != q.sq_head {
