@@ -1,0 +1,176 @@
+//! Two processes bouncing a message through queue pairs that rdmad created: the latency
+//! of the proxied data path.
+//!
+//! ```text
+//! ping-pong ping|pong [ITERATIONS] [SIZE]
+//! ```
+//!
+//! Each side opens a session, allocates a region, creates a queue pair on the first
+//! device, prints its endpoint as one JSON line on stdout, and reads the peer's endpoint
+//! from the first line of stdin. `pong` echoes every message back; `ping` times the round
+//! trips and prints the median and 99th percentile. `scripts/demo` runs both.
+
+use std::io::BufRead;
+use std::os::fd::OwnedFd;
+use std::time::{Duration, Instant};
+
+use rdmad_client::names::object_id;
+use rdmad_client::proxy::{ManagerProxy, Options, QueuePairProxy, SessionProxy};
+use rdmad_client::queue_pair::QueuePairRing;
+use rdmad_client::ring::{Opcode, RegionSge, Status, Submission};
+use rdmad_client::types::Endpoint;
+use rdmad_client::RegionMapping;
+
+fn request(opcode: Opcode, wr_id: u64, region: u64, offset: u64, length: u32) -> Submission {
+    Submission {
+        opcode,
+        wr_id,
+        signaled: true,
+        imm: None,
+        remote_addr: 0,
+        rkey: 0,
+        compare_add: 0,
+        swap: 0,
+        sges: vec![RegionSge {
+            region,
+            offset,
+            length,
+        }],
+    }
+}
+
+/// Waits for the completions of `wr_ids`, in any order; an error completion ends the
+/// program.
+fn complete(ring: &mut QueuePairRing, wr_ids: &[u64]) -> Result<(), Box<dyn std::error::Error>> {
+    let mut left: Vec<u64> = wr_ids.to_vec();
+    while !left.is_empty() {
+        let c = ring
+            .wait(Duration::from_secs(30))?
+            .ok_or("no completion within 30 s")?;
+        if c.status != Status::Success || !left.contains(&c.wr_id) {
+            return Err(format!("waiting for {left:?}: got {c:?}").into());
+        }
+        left.retain(|&id| id != c.wr_id);
+    }
+    Ok(())
+}
+
+fn submit(ring: &mut QueuePairRing, s: &Submission) -> Result<(), Box<dyn std::error::Error>> {
+    ring.submit(s)?.map_err(|_| "ring full")?;
+    Ok(())
+}
+
+#[tokio::main(flavor = "current_thread")]
+async fn main() -> Result<(), Box<dyn std::error::Error>> {
+    let args: Vec<String> = std::env::args().collect();
+    let role = args.get(1).map(String::as_str).unwrap_or("");
+    if role != "ping" && role != "pong" {
+        eprintln!("usage: ping-pong ping|pong [ITERATIONS] [SIZE]");
+        std::process::exit(2);
+    }
+    let iterations: u64 = args.get(2).map_or(Ok(1000), |s| s.parse())?;
+    let size: u32 = args.get(3).map_or(Ok(64), |s| s.parse())?;
+
+    let connection = rdmad_client::connect(None).await?;
+    let manager = ManagerProxy::new(&connection).await?;
+    let session = SessionProxy::builder(&connection)
+        .path(manager.open_session(Options::new()).await?)?
+        .build()
+        .await?;
+    let device = manager
+        .list_devices()
+        .await?
+        .first()
+        .ok_or("no device")?
+        .name
+        .clone();
+    let (region_path, fd, region_size) = session
+        .allocate_region("default", 4096, Options::new())
+        .await?;
+    let region = object_id(region_path.as_str()).ok_or("region id")?;
+    let buffer = RegionMapping::map(OwnedFd::from(fd), region_size as usize, true)?;
+    let (qp_path, ring_fd, doorbell, completions, info) =
+        session.create_queue_pair(&device, Options::new()).await?;
+    let mut ring = QueuePairRing::new(ring_fd.into(), doorbell.into(), completions.into(), info)?;
+    let qp = QueuePairProxy::builder(&connection)
+        .path(qp_path)?
+        .build()
+        .await?;
+
+    // Exchange endpoints over stdio, one JSON line each way.
+    println!("{}", serde_json::to_string(&qp.endpoint().await?)?);
+    let mut line = String::new();
+    std::io::stdin().lock().read_line(&mut line)?;
+    let peer: Endpoint = serde_json::from_str(line.trim())?;
+    qp.connect(&peer, Options::new()).await?;
+    eprintln!(
+        "{role}: {device} QPN {} connected to {}/{}",
+        qp.endpoint().await?.qp_num,
+        peer.gid,
+        peer.qp_num
+    );
+
+    // Messages go out from offset 0 and come in at offset 2048.
+    let (send_at, recv_at) = (0, 2048);
+    let mut rtts = Vec::with_capacity(iterations as usize);
+    let mut last_id = 0;
+    let mut fresh = || {
+        last_id += 1;
+        last_id
+    };
+    let mut pending_recv = fresh();
+    submit(
+        &mut ring,
+        &request(Opcode::Recv, pending_recv, region, recv_at, size),
+    )?;
+    for i in 0..iterations {
+        if role == "ping" {
+            buffer.write(send_at as usize, &i.to_le_bytes())?;
+            let start = Instant::now();
+            let send_id = fresh();
+            submit(
+                &mut ring,
+                &request(Opcode::Send, send_id, region, send_at, size),
+            )?;
+            complete(&mut ring, &[send_id, pending_recv])?;
+            rtts.push(start.elapsed());
+            let mut echo = [0u8; 8];
+            buffer.read(recv_at as usize, &mut echo)?;
+            if u64::from_le_bytes(echo) != i {
+                return Err(
+                    format!("round {i}: the echo carried {}", u64::from_le_bytes(echo)).into(),
+                );
+            }
+        } else {
+            complete(&mut ring, &[pending_recv])?;
+            let mut msg = vec![0u8; size as usize];
+            buffer.read(recv_at as usize, &mut msg)?;
+            buffer.write(send_at as usize, &msg)?;
+        }
+        pending_recv = fresh();
+        submit(
+            &mut ring,
+            &request(Opcode::Recv, pending_recv, region, recv_at, size),
+        )?;
+        if role == "pong" {
+            let send_id = fresh();
+            submit(
+                &mut ring,
+                &request(Opcode::Send, send_id, region, send_at, size),
+            )?;
+            complete(&mut ring, &[send_id])?;
+        }
+    }
+    if role == "ping" {
+        rtts.sort();
+        let median = rtts[rtts.len() / 2];
+        let p99 = rtts[(rtts.len() * 99 / 100).min(rtts.len() - 1)];
+        println!(
+            "ping-pong: {iterations} round trips of {size} B on {device}: median {:.1} µs, p99 {:.1} µs (one way ≈ {:.1} µs)",
+            median.as_secs_f64() * 1e6,
+            p99.as_secs_f64() * 1e6,
+            median.as_secs_f64() * 1e6 / 2.0
+        );
+    }
+    Ok(())
+}
