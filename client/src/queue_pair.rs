@@ -67,6 +67,10 @@ impl QueuePairRing {
         self.map.write(self.layout.sqe(self.sq_tail), &s.encode())?;
         self.sq_tail = self.sq_tail.wrapping_add(1);
         self.map.store_u32(header::SQ_TAIL, self.sq_tail)?;
+        // Store the tail, then load the flag; the worker stores the flag, then loads the
+        // tail. Without a full fence each could miss the other's store and the worker
+        // would sleep on a submission.
+        std::sync::atomic::fence(std::sync::atomic::Ordering::SeqCst);
         if self.map.load_u32(header::SQ_FLAGS)? & ring::SQ_NEED_WAKEUP != 0 {
             nix::unistd::write(self.doorbell.as_fd(), &1u64.to_ne_bytes())?;
         }

@@ -542,7 +542,9 @@ fn sleep(qps: &mut [QpState], wake: &OwnedFd) {
             EpollEvent::new(EpollFlags::EPOLLIN, 0),
         );
     }
-    // Work that arrived between the last look and the flags is seen now.
+    // Work that arrived between the last look and the flags is seen now. The fence pairs
+    // with the client's (store tail, fence, load flag): one of the two sees the other.
+    std::sync::atomic::fence(std::sync::atomic::Ordering::SeqCst);
     let pending = qps.iter().any(|q| {
         q.record.ring.load_u32(header::SQ_TAIL).unwrap_or(q.sq_head) != q.sq_head
             || !q.backlog.is_empty()
