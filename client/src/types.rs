@@ -171,6 +171,12 @@ pub struct QueuePairInfo {
     pub recv_depth: u32,
     /// The peer's `gid/qpn`, empty until connected.
     pub peer: String,
+    /// Client requests posted to the device, completed, failed on the device, and
+    /// refused by rdmad before reaching it.
+    pub posted: u64,
+    pub completed: u64,
+    pub failed: u64,
+    pub refused: u64,
 }
 
 /// What `Session.CreateQueuePair` returns besides the object and the descriptors.

@@ -280,6 +280,10 @@ async fn queue_pairs(connection: &Connection) -> Result<Value, Error> {
                     "send_depth": q.send_depth,
                     "recv_depth": q.recv_depth,
                     "peer": q.peer,
+                    "posted": q.posted,
+                    "completed": q.completed,
+                    "failed": q.failed,
+                    "refused": q.refused,
                 })
             })
             .collect(),

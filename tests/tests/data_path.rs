@@ -115,6 +115,23 @@ mod bodies {
         b.ok("bad-tail 0");
         assert_completion(&b.ok("wait 0"), 0, "InvalidEntry", "Send");
 
+        let counters = a.ok("qpinfo 0");
+        assert_eq!(
+            counters["refused"], 9,
+            "garbage, 4 bad regions, 4 over depth: {counters}"
+        );
+        assert_eq!(counters["posted"], 16, "{counters}");
+        let json: serde_json::Value = serde_json::from_str(&rdmad_tests::daemon::rdmactl_ok(
+            &bus,
+            Some(rdmad_tests::NOBODY),
+            &["-j", "qp"],
+        ))
+        .unwrap();
+        assert_eq!(
+            json[0]["refused"], 9,
+            "rdmactl qp shows the counters: {json}"
+        );
+
         // The QPs still work: b's send lands in the first of a's receives.
         b.ok("write 0 0 still-alive");
         b.ok("post 0 send 0 0 8 20");

@@ -3,6 +3,7 @@
 
 use std::collections::HashMap;
 use std::net::Ipv6Addr;
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
 use rdmad_client::names::{qp_path, session_path};
@@ -61,6 +62,10 @@ pub fn info(id: QpId, q: &QueuePairRecord) -> QueuePairInfo {
         send_depth: q.options.send_depth,
         recv_depth: q.options.recv_depth,
         peer,
+        posted: q.counters.posted.load(Ordering::Relaxed),
+        completed: q.counters.completed.load(Ordering::Relaxed),
+        failed: q.counters.failed.load(Ordering::Relaxed),
+        refused: q.counters.refused.load(Ordering::Relaxed),
     }
 }
 

@@ -19,6 +19,19 @@ use crate::provider::{
 pub type QpId = u64;
 pub type ExportId = u64;
 
+/// What a QP's worker has done with its client's requests (shown by `rdmactl qp`).
+#[derive(Debug, Default)]
+pub struct QpCounters {
+    /// Requests posted to the device.
+    pub posted: std::sync::atomic::AtomicU64,
+    /// Requests the device completed successfully.
+    pub completed: std::sync::atomic::AtomicU64,
+    /// Requests the device completed with an error.
+    pub failed: std::sync::atomic::AtomicU64,
+    /// Requests rdmad refused before the device (malformed, region denied, queue full).
+    pub refused: std::sync::atomic::AtomicU64,
+}
+
 /// A region made reachable by a peer: a type-2 window bound over it through one QP.
 #[derive(Debug)]
 pub struct Export {
@@ -111,6 +124,7 @@ pub struct QueuePairRecord {
     pub completion_event: OwnedFd,
     pub local: LocalEndpoint,
     pub remote: Mutex<Option<RemoteEndpoint>>,
+    pub counters: QpCounters,
 }
 
 /// The GID QPs of this device use: the pinned index, else the RoCE v2 IPv4-mapped GID,
@@ -211,6 +225,7 @@ pub fn create(
         completion_event: eventfd()?,
         local,
         remote: Mutex::new(None),
+        counters: QpCounters::default(),
     })
 }
 

@@ -73,6 +73,12 @@ impl QpState {
     }
 
     fn refuse(&mut self, wr_id: u64, opcode: Opcode, status: Status, detail: u32) {
+        if status != Status::DeviceError {
+            self.record
+                .counters
+                .refused
+                .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        }
         self.backlog.push_back(Completion {
             wr_id,
             status,
@@ -184,6 +190,10 @@ impl QpState {
                     self.sends += 1;
                 }
                 self.in_flight.insert(wr, flight);
+                self.record
+                    .counters
+                    .posted
+                    .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
             } else {
                 self.refuse(flight.client_wr_id, flight.opcode, Status::DeviceError, 0);
             }
@@ -218,6 +228,12 @@ impl QpState {
                 self.sends -= 1;
             }
             let status = status_of(wc.status);
+            let counter = if status == Status::Success {
+                &self.record.counters.completed
+            } else {
+                &self.record.counters.failed
+            };
+            counter.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
             if flight.signaled || status != Status::Success || flight.opcode == Opcode::Recv {
                 let opcode = match wc.opcode {
                     WcOpcode::Recv | WcOpcode::RecvRdmaWithImm => Opcode::Recv,
