@@ -103,7 +103,7 @@ impl Engine {
             let worker = datapath::worker::Worker::spawn(
                 entry.device.name(),
                 Arc::downgrade(&registry),
-                datapath::worker::DEFAULT_SPIN,
+                std::time::Duration::from_micros(u64::from(config.daemon.worker_spin_us)),
             )
             .map_err(|e| EngineError::Startup(format!("cannot start a data-path worker: {e}")))?;
             workers.insert(entry.device.name().to_owned(), Arc::new(worker));
@@ -280,6 +280,9 @@ impl Engine {
             || new.daemon.loopback_fallback != slot.daemon.loopback_fallback
         {
             needs_restart.push("daemon.provider/loopback_fallback".to_owned());
+        }
+        if new.daemon.worker_spin_us != slot.daemon.worker_spin_us {
+            needs_restart.push("daemon.worker_spin_us".to_owned());
         }
         if new.devices != slot.devices {
             needs_restart.push("[[device]]".to_owned());

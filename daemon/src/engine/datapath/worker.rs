@@ -18,9 +18,6 @@ use crate::engine::Registry;
 use crate::lock::lock;
 use crate::provider::{MemoryRegion, WcOpcode, WcStatus, WorkCompletion};
 
-/// How long a worker keeps polling after its last piece of work before it sleeps.
-pub const DEFAULT_SPIN: Duration = Duration::from_micros(200);
-
 /// The QPs a worker serves, shared with the engine that adds and removes them.
 #[derive(Debug, Default)]
 pub struct WorkerQps {
