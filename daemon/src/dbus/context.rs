@@ -37,6 +37,19 @@ impl Context {
         self.engine.config()
     }
 
+    /// Runs engine work that may block — deregistering memory, destroying queue pairs,
+    /// waiting for the device to bind a window — on a blocking thread, so one client's slow
+    /// teardown never stalls the bus for the others.
+    pub async fn blocking<T: Send + 'static>(
+        &self,
+        work: impl FnOnce(&Engine) -> T + Send + 'static,
+    ) -> Result<T, Error> {
+        let engine = Arc::clone(&self.engine);
+        tokio::task::spawn_blocking(move || work(&engine))
+            .await
+            .map_err(|e| Error::DeviceError(format!("internal error: {e}")))
+    }
+
     pub async fn publish_session(
         self: &Arc<Self>,
         server: &ObjectServer,
@@ -82,7 +95,17 @@ impl Context {
     /// A connection left the bus: close its sessions.
     pub async fn connection_gone(&self, server: &ObjectServer, bus_name: &str) {
         self.callers.forget(bus_name);
-        let removed = self.engine.registry.close_sessions_of(bus_name);
+        let name = bus_name.to_owned();
+        let removed = match self
+            .blocking(move |e| e.registry.close_sessions_of(&name))
+            .await
+        {
+            Ok(removed) => removed,
+            Err(e) => {
+                tracing::error!(sender = bus_name, "closing the sessions failed: {e:?}");
+                return;
+            }
+        };
         if !removed.sessions.is_empty() {
             tracing::info!(
                 sender = bus_name,

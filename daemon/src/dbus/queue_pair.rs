@@ -144,7 +144,10 @@ impl QueuePairObject {
         #[zbus(object_server)] server: &ObjectServer,
     ) -> Result<(), Error> {
         let caller = self.ctx.caller(connection, &header).await?;
-        self.ctx.engine.registry.destroy_qp(&caller, self.id)?;
+        let id = self.id;
+        self.ctx
+            .blocking(move |e| e.registry.destroy_qp(&caller, id))
+            .await??;
         let removed = Removed {
             qps: vec![self.id],
             ..Removed::default()

@@ -38,7 +38,10 @@ impl RegionObject {
         #[zbus(object_server)] server: &ObjectServer,
     ) -> Result<(), Error> {
         let caller = self.ctx.caller(connection, &header).await?;
-        self.ctx.engine.registry.free(&caller, self.id)?;
+        let id = self.id;
+        self.ctx
+            .blocking(move |e| e.registry.free(&caller, id))
+            .await??;
         let removed = Removed {
             regions: vec![self.id],
             ..Removed::default()
@@ -118,10 +121,11 @@ impl RegionObject {
             .filter(|_| qp.as_str().starts_with(rdmad_client::names::QP_PATH_PREFIX))
             .ok_or_else(|| Error::InvalidArgument(format!("{qp} is not a queue pair's path")))?;
         let caller = self.ctx.caller(connection, &header).await?;
+        let id = self.id;
         let (export, addr, rkey, len) = self
             .ctx
-            .engine
-            .export_remote(&caller, self.id, qp_id, access)?;
+            .blocking(move |e| e.export_remote(&caller, id, qp_id, access))
+            .await??;
         tracing::info!(region = self.id, qp = qp_id, export, "region exported");
         Ok((addr, rkey, len, export))
     }
@@ -134,10 +138,11 @@ impl RegionObject {
         #[zbus(connection)] connection: &Connection,
     ) -> Result<(), Error> {
         let caller = self.ctx.caller(connection, &header).await?;
+        let id = self.id;
         Ok(self
             .ctx
-            .engine
-            .release_export(&caller, self.id, export_id)?)
+            .blocking(move |e| e.release_export(&caller, id, export_id))
+            .await??)
     }
 
     /// Revokes one of this region's keys (new attaches stop; live attachments stay).

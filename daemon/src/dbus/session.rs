@@ -39,14 +39,14 @@ impl SessionObject {
         #[zbus(object_server)] server: &ObjectServer,
     ) -> Result<(), Error> {
         let caller = self.ctx.caller(connection, &header).await?;
-        let removed =
-            self.ctx
-                .engine
-                .registry
-                .close_session(&self.ctx.config(), &caller, self.id)?;
+        let (id, uid, config) = (self.id, caller.uid, self.ctx.config());
+        let removed = self
+            .ctx
+            .blocking(move |e| e.registry.close_session(&config, &caller, id))
+            .await??;
         tracing::info!(
             session = self.id,
-            uid = caller.uid,
+            uid,
             regions = removed.regions.len(),
             "session closed"
         );
