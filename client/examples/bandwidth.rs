@@ -10,19 +10,16 @@
 //! reads as its second line; the sink exits when its stdin closes. `scripts/demo` runs
 //! both.
 
-use std::io::BufRead;
-use std::os::fd::OwnedFd;
 use std::time::{Duration, Instant};
 
-use rdmad_client::names::object_id;
-use rdmad_client::proxy::{ManagerProxy, Options, QueuePairProxy, RegionProxy, SessionProxy};
-use rdmad_client::queue_pair::QueuePairRing;
+use rdmad_client::proxy::{Options, RegionProxy};
 use rdmad_client::ring::{Opcode, RegionSge, Status, Submission};
-use rdmad_client::types::Endpoint;
 use zbus::zvariant::Value;
 
 const REGION: u64 = 1 << 20;
 const DEPTH: u32 = 64;
+
+mod common;
 
 #[tokio::main(flavor = "current_thread")]
 async fn main() -> Result<(), Box<dyn std::error::Error>> {
@@ -38,47 +35,21 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         return Err(format!("SIZE must be 1 to {REGION}").into());
     }
 
-    let connection = rdmad_client::connect(None).await?;
-    let manager = ManagerProxy::new(&connection).await?;
-    let session = SessionProxy::builder(&connection)
-        .path(manager.open_session(Options::new()).await?)?
-        .build()
-        .await?;
-    let device = manager
-        .list_devices()
-        .await?
-        .first()
-        .ok_or("no device")?
-        .name
-        .clone();
-    let (region_path, fd, _) = session
-        .allocate_region("default", REGION, Options::new())
-        .await?;
-    drop(OwnedFd::from(fd));
-    let region = object_id(region_path.as_str()).ok_or("region id")?;
     let mut options = Options::new();
     options.insert("send_depth", Value::from(DEPTH));
-    let (qp_path, ring_fd, doorbell, completions, info) =
-        session.create_queue_pair(&device, options).await?;
-    let mut ring = QueuePairRing::new(ring_fd.into(), doorbell.into(), completions.into(), info)?;
-    let qp = QueuePairProxy::builder(&connection)
-        .path(qp_path.clone())?
-        .build()
-        .await?;
-
-    println!("{}", serde_json::to_string(&qp.endpoint().await?)?);
-    let mut lines = std::io::stdin().lock().lines();
-    let peer: Endpoint = serde_json::from_str(&lines.next().ok_or("no peer endpoint")??)?;
-    qp.connect(&peer, Options::new()).await?;
+    let mut side = common::setup(REGION, options).await?;
+    let mut lines = std::io::stdin().lines();
+    side.connect_over_stdio(&mut lines).await?;
+    let (device, region, ring) = (&side.device, side.region, &mut side.ring);
 
     if role == "sink" {
-        let r = RegionProxy::builder(&connection)
-            .path(region_path)?
+        let r = RegionProxy::builder(&side.connection)
+            .path(side.region_path.clone())?
             .build()
             .await?;
         let mut options = Options::new();
         options.insert("access", Value::from("w"));
-        let (addr, rkey, len, _) = r.export_remote(&qp_path.as_ref(), options).await?;
+        let (addr, rkey, len, _) = r.export_remote(&side.qp_path.as_ref(), options).await?;
         println!(
             "{}",
             serde_json::json!({"addr": addr, "rkey": rkey, "len": len})
@@ -94,19 +65,17 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         export["rkey"].as_u64().ok_or("rkey")? as u32,
     );
     let write = |wr_id: u64| Submission {
-        opcode: Opcode::Write,
-        wr_id,
-        signaled: true,
-        imm: None,
         remote_addr: addr,
         rkey,
-        compare_add: 0,
-        swap: 0,
-        sges: vec![RegionSge {
-            region,
-            offset: 0,
-            length: size,
-        }],
+        ..Submission::new(
+            Opcode::Write,
+            wr_id,
+            RegionSge {
+                region,
+                offset: 0,
+                length: size,
+            },
+        )
     };
     let start = Instant::now();
     let (mut posted, mut done) = (0u64, 0u64);

@@ -10,33 +10,22 @@
 //! from the first line of stdin. `pong` echoes every message back; `ping` times the round
 //! trips and prints the median and 99th percentile. `scripts/demo` runs both.
 
-use std::io::BufRead;
-use std::os::fd::OwnedFd;
 use std::time::{Duration, Instant};
 
-use rdmad_client::names::object_id;
-use rdmad_client::proxy::{ManagerProxy, Options, QueuePairProxy, SessionProxy};
+use rdmad_client::proxy::Options;
 use rdmad_client::queue_pair::QueuePairRing;
 use rdmad_client::ring::{Opcode, RegionSge, Status, Submission};
-use rdmad_client::types::Endpoint;
-use rdmad_client::RegionMapping;
 
 fn request(opcode: Opcode, wr_id: u64, region: u64, offset: u64, length: u32) -> Submission {
-    Submission {
+    Submission::new(
         opcode,
         wr_id,
-        signaled: true,
-        imm: None,
-        remote_addr: 0,
-        rkey: 0,
-        compare_add: 0,
-        swap: 0,
-        sges: vec![RegionSge {
+        RegionSge {
             region,
             offset,
             length,
-        }],
-    }
+        },
+    )
 }
 
 /// Waits for the completions of `wr_ids`, in any order; an error completion ends the
@@ -60,6 +49,8 @@ fn submit(ring: &mut QueuePairRing, s: &Submission) -> Result<(), Box<dyn std::e
     Ok(())
 }
 
+mod common;
+
 #[tokio::main(flavor = "current_thread")]
 async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let args: Vec<String> = std::env::args().collect();
@@ -71,41 +62,13 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let iterations: u64 = args.get(2).map_or(Ok(1000), |s| s.parse())?;
     let size: u32 = args.get(3).map_or(Ok(64), |s| s.parse())?;
 
-    let connection = rdmad_client::connect(None).await?;
-    let manager = ManagerProxy::new(&connection).await?;
-    let session = SessionProxy::builder(&connection)
-        .path(manager.open_session(Options::new()).await?)?
-        .build()
-        .await?;
-    let device = manager
-        .list_devices()
-        .await?
-        .first()
-        .ok_or("no device")?
-        .name
-        .clone();
-    let (region_path, fd, region_size) = session
-        .allocate_region("default", 4096, Options::new())
-        .await?;
-    let region = object_id(region_path.as_str()).ok_or("region id")?;
-    let buffer = RegionMapping::map(OwnedFd::from(fd), region_size as usize, true)?;
-    let (qp_path, ring_fd, doorbell, completions, info) =
-        session.create_queue_pair(&device, Options::new()).await?;
-    let mut ring = QueuePairRing::new(ring_fd.into(), doorbell.into(), completions.into(), info)?;
-    let qp = QueuePairProxy::builder(&connection)
-        .path(qp_path)?
-        .build()
-        .await?;
-
-    // Exchange endpoints over stdio, one JSON line each way.
-    println!("{}", serde_json::to_string(&qp.endpoint().await?)?);
-    let mut line = String::new();
-    std::io::stdin().lock().read_line(&mut line)?;
-    let peer: Endpoint = serde_json::from_str(line.trim())?;
-    qp.connect(&peer, Options::new()).await?;
+    let mut side = common::setup(4096, Options::new()).await?;
+    let mut stdin = std::io::stdin().lines();
+    let peer = side.connect_over_stdio(&mut stdin).await?;
+    let (device, region, buffer, ring) = (&side.device, side.region, &side.buffer, &mut side.ring);
     eprintln!(
         "{role}: {device} QPN {} connected to {}/{}",
-        qp.endpoint().await?.qp_num,
+        side.qp.endpoint().await?.qp_num,
         peer.gid,
         peer.qp_num
     );
@@ -120,7 +83,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     };
     let mut pending_recv = fresh();
     submit(
-        &mut ring,
+        ring,
         &request(Opcode::Recv, pending_recv, region, recv_at, size),
     )?;
     for i in 0..iterations {
@@ -128,11 +91,8 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
             buffer.write(send_at as usize, &i.to_le_bytes())?;
             let start = Instant::now();
             let send_id = fresh();
-            submit(
-                &mut ring,
-                &request(Opcode::Send, send_id, region, send_at, size),
-            )?;
-            complete(&mut ring, &[send_id, pending_recv])?;
+            submit(ring, &request(Opcode::Send, send_id, region, send_at, size))?;
+            complete(ring, &[send_id, pending_recv])?;
             rtts.push(start.elapsed());
             let mut echo = [0u8; 8];
             buffer.read(recv_at as usize, &mut echo)?;
@@ -142,23 +102,20 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
                 );
             }
         } else {
-            complete(&mut ring, &[pending_recv])?;
+            complete(ring, &[pending_recv])?;
             let mut msg = vec![0u8; size as usize];
             buffer.read(recv_at as usize, &mut msg)?;
             buffer.write(send_at as usize, &msg)?;
         }
         pending_recv = fresh();
         submit(
-            &mut ring,
+            ring,
             &request(Opcode::Recv, pending_recv, region, recv_at, size),
         )?;
         if role == "pong" {
             let send_id = fresh();
-            submit(
-                &mut ring,
-                &request(Opcode::Send, send_id, region, send_at, size),
-            )?;
-            complete(&mut ring, &[send_id])?;
+            submit(ring, &request(Opcode::Send, send_id, region, send_at, size))?;
+            complete(ring, &[send_id])?;
         }
     }
     if role == "ping" {

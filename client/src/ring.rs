@@ -201,6 +201,22 @@ fn u64_at(b: &[u8], at: usize) -> u64 {
 }
 
 impl Submission {
+    /// A signaled request on one SGE, without immediate data or remote target; set
+    /// `remote_addr`/`rkey` (and `compare_add`/`swap`) for remote operations.
+    pub fn new(opcode: Opcode, wr_id: u64, sge: RegionSge) -> Submission {
+        Submission {
+            opcode,
+            wr_id,
+            signaled: true,
+            imm: None,
+            remote_addr: 0,
+            rkey: 0,
+            compare_add: 0,
+            swap: 0,
+            sges: vec![sge],
+        }
+    }
+
     /// The entry's bytes (little-endian fields):
     /// `opcode u8 | flags u8 | num_sge u8 | 0 u8 | imm u32 | wr_id u64 | remote_addr u64 |
     /// rkey u32 | 0 u32 | compare_add u64 | swap u64 | 4 × (region u64, offset u64,

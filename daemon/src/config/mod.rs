@@ -300,6 +300,16 @@ impl Config {
     }
 }
 
+/// Whether the system knows a user named `name`.
+fn user_exists(name: &str) -> bool {
+    matches!(nix::unistd::User::from_name(name), Ok(Some(_)))
+}
+
+/// Whether the system knows a group named `name`.
+fn group_exists(name: &str) -> bool {
+    matches!(nix::unistd::Group::from_name(name), Ok(Some(_)))
+}
+
 /// The field name in serde's "unknown field `x`, expected …" message.
 fn unknown_field(message: &str) -> Option<&str> {
     message.strip_prefix("unknown field `")?.split('`').next()

@@ -182,12 +182,12 @@ impl PoolConfig {
             }
         }
         for user in &self.users {
-            if !matches!(nix::unistd::User::from_name(user), Ok(Some(_))) {
+            if !super::user_exists(user) {
                 return Err((key("users"), format!("there is no user named {user:?}")));
             }
         }
         for group in &self.groups {
-            if !matches!(nix::unistd::Group::from_name(group), Ok(Some(_))) {
+            if !super::group_exists(group) {
                 return Err((key("groups"), format!("there is no group named {group:?}")));
             }
         }

@@ -120,7 +120,7 @@ impl QuotaSection {
     pub(super) fn validate(&self) -> Result<(), (String, String)> {
         self.default.validate("quota.default")?;
         for (name, limits) in &self.user {
-            if !matches!(nix::unistd::User::from_name(name), Ok(Some(_))) {
+            if !super::user_exists(name) {
                 return Err((
                     format!("quota.user.{name}"),
                     format!("there is no user named {name:?}"),
@@ -129,7 +129,7 @@ impl QuotaSection {
             limits.validate(&format!("quota.user.{name}"))?;
         }
         for (name, limits) in &self.group {
-            if !matches!(nix::unistd::Group::from_name(name), Ok(Some(_))) {
+            if !super::group_exists(name) {
                 return Err((
                     format!("quota.group.{name}"),
                     format!("there is no group named {name:?}"),

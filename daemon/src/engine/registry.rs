@@ -1077,13 +1077,7 @@ fn check_pool_access(pool: &Pool, caller: &Caller) -> Result<(), EngineError> {
         return Ok(());
     }
     let user = quota::user_name(caller.uid);
-    let in_group = c
-        .groups
-        .iter()
-        .any(|g| match nix::unistd::Group::from_name(g) {
-            Ok(Some(group)) => caller.gids.contains(&group.gid.as_raw()),
-            _ => false,
-        });
+    let in_group = c.groups.iter().any(|g| policy::in_group(g, &caller.gids));
     if c.users.contains(&user) || in_group {
         return Ok(());
     }

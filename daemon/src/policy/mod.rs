@@ -31,11 +31,17 @@ pub fn is_admin(caller: &Caller, config: &Config) -> bool {
     let Some(group) = &config.daemon.admin_group else {
         return false;
     };
+    in_group(group, &caller.gids)
+}
+
+/// Whether `gids` include the group named `group` (false when there is no such group;
+/// a failed lookup is logged and denies).
+pub fn in_group(group: &str, gids: &[u32]) -> bool {
     match nix::unistd::Group::from_name(group) {
-        Ok(Some(group)) => caller.gids.contains(&group.gid.as_raw()),
+        Ok(Some(g)) => gids.contains(&g.gid.as_raw()),
         Ok(None) => false,
         Err(e) => {
-            tracing::warn!("cannot look up admin group {group:?}: {e}");
+            tracing::warn!("cannot look up group {group:?}: {e}");
             false
         }
     }

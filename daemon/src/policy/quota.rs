@@ -98,10 +98,7 @@ pub fn limits_for(config: &Config, uid: u32, gids: &[u32]) -> Limits {
         .quota
         .group
         .iter()
-        .filter(|(name, _)| match nix::unistd::Group::from_name(name) {
-            Ok(Some(g)) => gids.contains(&g.gid.as_raw()),
-            _ => false,
-        })
+        .filter(|(name, _)| super::in_group(name, gids))
         .collect();
     let limits = QuotaKind::ALL
         .iter()

@@ -313,20 +313,16 @@ async fn main() {
                         "fadd" => Opcode::FetchAdd,
                         other => return Err(Error::InvalidArgument(format!("opcode {other}"))),
                     };
+                    let sge = RegionSge {
+                        region,
+                        offset: num(3),
+                        length: num(4) as u32,
+                    };
                     let sub = Submission {
-                        opcode,
-                        wr_id: num(5),
-                        signaled: true,
-                        imm: None,
                         remote_addr: if args.len() > 6 { num(6) } else { 0 },
                         rkey: if args.len() > 7 { num(7) as u32 } else { 0 },
                         compare_add: 1,
-                        swap: 0,
-                        sges: vec![RegionSge {
-                            region,
-                            offset: num(3),
-                            length: num(4) as u32,
-                        }],
+                        ..Submission::new(opcode, num(5), sge)
                     };
                     match rings[num(0) as usize]
                         .submit(&sub)

@@ -622,21 +622,15 @@ mod tests {
             .create_qp(&alice, s, "loopback0", QpOptions::default())
             .unwrap();
         let mut ring = ring_of(&q);
-        let sub = Submission {
-            opcode: Opcode::Send,
-            wr_id: 9,
-            signaled: true,
-            imm: None,
-            remote_addr: 0,
-            rkey: 0,
-            compare_add: 0,
-            swap: 0,
-            sges: vec![RegionSge {
+        let sub = Submission::new(
+            Opcode::Send,
+            9,
+            RegionSge {
                 region: 77,
                 offset: 0,
                 length: 8,
-            }],
-        };
+            },
+        );
         ring.submit(&sub).unwrap().unwrap();
         let c = ring
             .wait(Duration::from_secs(10))
