@@ -104,6 +104,11 @@ impl QueuePairRing {
         self.map.read(self.layout.cqe(self.cq_head), &mut bytes)?;
         self.cq_head = self.cq_head.wrapping_add(1);
         self.map.store_u32(header::CQ_HEAD, self.cq_head)?;
+        // Pairs with the worker's (set flag, fence, load head): one of the two sees the other.
+        std::sync::atomic::fence(std::sync::atomic::Ordering::SeqCst);
+        if self.map.load_u32(header::SQ_FLAGS)? & ring::CQ_WAITING != 0 {
+            nix::unistd::write(self.doorbell.as_fd(), &1u64.to_ne_bytes())?;
+        }
         Completion::decode(&bytes)
             .map(Some)
             .ok_or_else(|| io::Error::new(io::ErrorKind::InvalidData, "malformed completion"))

@@ -38,7 +38,7 @@ pub mod header {
     pub const CQ_HEAD: usize = 256;
     /// Next free completion slot (written by the daemon).
     pub const CQ_TAIL: usize = 320;
-    /// Completions the daemon could not deliver because the ring was full (daemon).
+    /// Completions the daemon holds back because the completion ring is full (daemon).
     pub const CQ_OVERFLOW: usize = 384;
     pub const SIZE: usize = 448;
 }
@@ -46,6 +46,11 @@ pub mod header {
 /// Set by the daemon when its worker sleeps: the client must write the doorbell eventfd
 /// after publishing submissions (otherwise the busy worker will see them anyway).
 pub const SQ_NEED_WAKEUP: u32 = 1;
+
+/// Set by the daemon while it holds completions back because the completion ring is full
+/// (it then also stops taking submissions): the client writes the doorbell after it makes
+/// room, or the daemon looks again only after a while.
+pub const CQ_WAITING: u32 = 2;
 
 /// Where everything lies in a ring memfd with the given depths (powers of two).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -45,6 +45,12 @@ impl Client {
         serde_json::from_str(&line).unwrap_or_else(|e| panic!("{command}: {e}: {line}"))
     }
 
+    /// Writes a command without waiting for its answer (to kill the client mid-call).
+    pub fn send(&mut self, command: &str) {
+        writeln!(self.stdin, "{command}").expect("write command");
+        self.stdin.flush().expect("flush command");
+    }
+
     /// Runs a command that must succeed; returns its value.
     pub fn ok(&mut self, command: &str) -> Value {
         let answer = self.call(command);

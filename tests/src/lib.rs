@@ -7,6 +7,7 @@ pub mod bus;
 pub mod client;
 pub mod daemon;
 pub mod notify;
+pub mod rng;
 
 use std::path::PathBuf;
 use std::time::Duration;

@@ -50,7 +50,11 @@ struct QpState {
     in_flight: HashMap<u64, InFlight>,
     sends: u32,
     recvs: u32,
+    /// Completions waiting for room in the ring: bounded, because the worker stops taking
+    /// submissions while it holds a ring's worth (see [`QpState::can_consume`]).
     backlog: VecDeque<Completion>,
+    /// Whether `CQ_WAITING` is set in the ring.
+    waiting: bool,
 }
 
 impl QpState {
@@ -66,7 +70,40 @@ impl QpState {
             sends: 0,
             recvs: 0,
             backlog: VecDeque::new(),
+            waiting: false,
         }
+    }
+
+    /// Whether the worker takes submissions: not while a full ring of completions waits
+    /// for the client to make room, so a client that never reads its completions cannot
+    /// make the daemon hold more than a ring's worth (plus one batch) for it.
+    fn can_consume(&self) -> bool {
+        self.backlog.len() < self.record.layout.cq_entries as usize
+    }
+
+    /// Whether there is work the worker can do now, without waiting for the client.
+    fn ready(&self) -> bool {
+        let ring = &self.record.ring;
+        let submitted = ring.load_u32(header::SQ_TAIL).unwrap_or(self.sq_head) != self.sq_head;
+        let room = !self.backlog.is_empty()
+            && ring
+                .load_u32(header::CQ_HEAD)
+                .map(|head| self.cq_tail.wrapping_sub(head) < self.record.layout.cq_entries)
+                .unwrap_or(false);
+        (submitted && self.can_consume()) || room
+    }
+
+    /// Publishes the ring's flags: `SQ_NEED_WAKEUP` as asked, `CQ_WAITING` as the backlog
+    /// says.
+    fn store_flags(&mut self, need_wakeup: bool) {
+        self.waiting = !self.backlog.is_empty();
+        let flags = if need_wakeup { ring::SQ_NEED_WAKEUP } else { 0 }
+            | if self.waiting { ring::CQ_WAITING } else { 0 };
+        let _ = self.record.ring.store_u32(header::SQ_FLAGS, flags);
+        let _ = self
+            .record
+            .ring
+            .store_u32(header::CQ_OVERFLOW, self.backlog.len() as u32);
     }
 
     fn refuse(&mut self, wr_id: u64, opcode: Opcode, status: Status, detail: u32) {
@@ -88,6 +125,9 @@ impl QpState {
 
     /// Consumes what the client submitted; returns whether there was anything.
     fn consume(&mut self, rights: &RegionRights) -> bool {
+        if !self.can_consume() {
+            return false;
+        }
         let ring = Arc::clone(&self.record.ring);
         let layout = self.record.layout;
         let Ok(tail) = ring.load_u32(header::SQ_TAIL) else {
@@ -280,6 +320,9 @@ impl QpState {
         if delivered > 0 {
             let _ = ring.store_u32(header::CQ_TAIL, self.cq_tail);
             let _ = nix::unistd::write(self.record.completion_event.as_fd(), &1u64.to_ne_bytes());
+        }
+        if self.waiting || !self.backlog.is_empty() {
+            self.store_flags(false);
         }
         delivered > 0
     }
@@ -510,7 +553,7 @@ fn run(
         }
         for q in &mut qps {
             let sq_tail = q.record.ring.load_u32(header::SQ_TAIL).unwrap_or(q.sq_head);
-            if sq_tail != q.sq_head {
+            if sq_tail != q.sq_head && q.can_consume() {
                 let rights = registry
                     .upgrade()
                     .and_then(|r| r.session_rights(q.record.session))
@@ -540,11 +583,8 @@ fn sleep(qps: &mut [QpState], wake: &OwnedFd) {
         return;
     };
     let _ = epoll.add(wake.as_fd(), EpollEvent::new(EpollFlags::EPOLLIN, 0));
-    for q in qps.iter() {
-        let _ = q
-            .record
-            .ring
-            .store_u32(header::SQ_FLAGS, ring::SQ_NEED_WAKEUP);
+    for q in qps.iter_mut() {
+        q.store_flags(true);
         let _ = q.record.cq.arm();
         let _ = epoll.add(
             q.record.doorbell.as_fd(),
@@ -556,19 +596,18 @@ fn sleep(qps: &mut [QpState], wake: &OwnedFd) {
         );
     }
     // Work that arrived between the last look and the flags is seen now. The fence pairs
-    // with the client's (store tail, fence, load flag): one of the two sees the other.
+    // with the client's (store tail or head, fence, load flags): one of the two sees the
+    // other. Completions held back for a full ring are not work until the client makes
+    // room (and rings the doorbell, as CQ_WAITING asks): the worker does not spin on them.
     std::sync::atomic::fence(std::sync::atomic::Ordering::SeqCst);
-    let pending = qps.iter().any(|q| {
-        q.record.ring.load_u32(header::SQ_TAIL).unwrap_or(q.sq_head) != q.sq_head
-            || !q.backlog.is_empty()
-    });
+    let pending = qps.iter().any(QpState::ready);
     if !pending {
         let mut events = [EpollEvent::empty(); 16];
         let _ = epoll.wait(&mut events, EpollTimeout::from(100u16));
     }
     drain(wake.as_fd());
-    for q in qps.iter() {
-        let _ = q.record.ring.store_u32(header::SQ_FLAGS, 0);
+    for q in qps.iter_mut() {
+        q.store_flags(false);
         drain(q.record.doorbell.as_fd());
         let _ = q.record.cq.acknowledge_events();
     }
@@ -637,5 +676,81 @@ mod tests {
             .unwrap()
             .expect("a completion");
         assert_eq!((c.wr_id, c.status), (9, Status::RegionAccessDenied));
+    }
+
+    /// A client that floods its ring and never reads a completion: the worker holds back at
+    /// most a ring's worth plus one batch (then stops taking submissions, so the client sees
+    /// its submission ring full), and loses nothing — every request comes back, in order,
+    /// once the client reads.
+    #[test]
+    fn a_client_that_never_reads_completions_is_held_to_a_bound() {
+        let config = Config::default();
+        let engine = Engine::start(
+            config.clone(),
+            PathBuf::from("/dev/null"),
+            Some(ProviderChoice::Loopback),
+        )
+        .unwrap();
+        let alice = Caller {
+            bus_name: ":1.1".into(),
+            uid: 1000,
+            gids: vec![],
+            pid: None,
+        };
+        let s = engine.registry.open_session(&config, &alice).unwrap();
+        let (_, q) = engine
+            .create_qp(&alice, s, "loopback0", QpOptions::default())
+            .unwrap();
+        let (sq, cq) = (q.layout.sq_entries, q.layout.cq_entries);
+        let mut ring = ring_of(&q);
+        let refused = |wr_id| {
+            Submission::new(
+                Opcode::Send,
+                wr_id,
+                RegionSge {
+                    region: 77,
+                    offset: 0,
+                    length: 8,
+                },
+            )
+        };
+        let deadline = Instant::now() + Duration::from_secs(20);
+        let mut submitted = 0u64;
+        loop {
+            assert!(
+                Instant::now() < deadline,
+                "the worker never stopped taking work"
+            );
+            if ring.submit(&refused(submitted)).unwrap().is_ok() {
+                submitted += 1;
+                continue;
+            }
+            // The ring is full. Once a ring's worth waits, the worker takes nothing more.
+            let held = q.ring.load_u32(header::CQ_OVERFLOW).unwrap();
+            if held >= cq {
+                break;
+            }
+            std::thread::yield_now();
+        }
+        let flags = q.ring.load_u32(header::SQ_FLAGS).unwrap();
+        assert_ne!(flags & ring::CQ_WAITING, 0, "flags {flags:#x}");
+        let held = q.ring.load_u32(header::CQ_OVERFLOW).unwrap();
+        assert!(held <= cq + sq, "{held} completions held back");
+        assert!(
+            submitted <= u64::from(2 * cq + 2 * sq),
+            "{submitted} submissions taken"
+        );
+        for wr_id in 0..submitted {
+            let c = ring
+                .wait(Duration::from_secs(10))
+                .unwrap()
+                .unwrap_or_else(|| panic!("completion {wr_id} of {submitted} never came"));
+            assert_eq!((c.wr_id, c.status), (wr_id, Status::RegionAccessDenied));
+        }
+        assert_eq!(ring.poll().unwrap(), None);
+        assert_eq!(
+            q.ring.load_u32(header::SQ_FLAGS).unwrap() & ring::CQ_WAITING,
+            0
+        );
     }
 }
