@@ -51,6 +51,14 @@ impl Client {
         self.stdin.flush().expect("flush command");
     }
 
+    /// Reads the answer to the oldest command written with [`Client::send`].
+    pub fn answer(&mut self) -> Value {
+        let mut line = String::new();
+        self.stdout.read_line(&mut line).expect("read answer");
+        assert!(!line.is_empty(), "rdmad-test-client died");
+        serde_json::from_str(&line).unwrap_or_else(|e| panic!("{e}: {line}"))
+    }
+
     /// Runs a command that must succeed; returns its value.
     pub fn ok(&mut self, command: &str) -> Value {
         let answer = self.call(command);
