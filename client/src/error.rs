@@ -4,6 +4,8 @@
 
 use zbus::DBusError;
 
+use crate::names::BUS_NAME;
+
 #[derive(Debug, DBusError)]
 #[zbus(prefix = "org.rdmad1.Error")]
 pub enum Error {
@@ -61,8 +63,39 @@ impl Error {
             | Error::PoolExhausted(m)
             | Error::NotSupported(m)
             | Error::DeviceError(m) => m.clone(),
+            _ if self.is_daemon_absent() => format!(
+                "rdmad is not running: nothing owns {BUS_NAME} on this bus (start it: \
+                 systemctl start rdmad); whatever an earlier instance lent is gone"
+            ),
+            _ if self.is_daemon_lost() => format!(
+                "rdmad left the bus before it replied (it stopped, restarted or crashed); \
+                 whatever it lent is gone: open a new session once {BUS_NAME} is back"
+            ),
+            Error::ZBus(zbus::Error::MethodError(name, Some(m), _))
+                if name.as_str() == "org.freedesktop.DBus.Error.UnknownObject" =>
+            {
+                format!(
+                    "{m}: it was released, or rdmad restarted since it was made (objects do \
+                     not outlive the daemon instance that made them)"
+                )
+            }
             Error::ZBus(zbus::Error::MethodError(_, Some(m), _)) => m.clone(),
             Error::ZBus(other) => other.to_string(),
+        }
+    }
+
+    /// True when rdmad went away while the call was waiting for its reply.
+    pub fn is_daemon_lost(&self) -> bool {
+        match self {
+            // The bus's answer when the callee disconnects; its reply timeout says otherwise.
+            Error::ZBus(zbus::Error::MethodError(name, m, _)) => {
+                name.as_str() == "org.freedesktop.DBus.Error.NoReply"
+                    && m.as_deref().is_some_and(|m| m.contains("disconnected"))
+            }
+            Error::ZBus(zbus::Error::FDO(e)) => {
+                matches!(&**e, zbus::fdo::Error::NoReply(m) if m.contains("disconnected"))
+            }
+            _ => false,
         }
     }
 

@@ -8,11 +8,13 @@ pub mod proxy;
 pub mod queue_pair;
 pub mod ring;
 pub mod types;
+pub mod watch;
 
 pub use error::Error;
 pub use mapping::RegionMapping;
 pub use names::{device_path, BUS_NAME, MANAGER_PATH};
 pub use types::{Capabilities, GidEntry, PortInfo};
+pub use watch::{DaemonGone, DaemonWatch};
 
 /// Connects to the bus rdmad serves on: an explicit address, else `RDMAD_BUS_ADDRESS`,
 /// else the system bus.

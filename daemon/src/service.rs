@@ -11,7 +11,7 @@ use tokio::signal::unix::{signal, SignalKind};
 use crate::cli::Args;
 use crate::config::Config;
 use crate::dbus::{self, Bus, Reloader};
-use crate::engine::Engine;
+use crate::engine::{Engine, EngineError};
 use crate::logging::{self, LogHandle};
 
 /// Runs the daemon until SIGTERM or SIGINT.
@@ -41,7 +41,14 @@ fn notify(states: &[NotifyState<'_>]) {
 }
 
 async fn serve(args: Args, config: Config, log: LogHandle) -> anyhow::Result<()> {
-    let engine = Arc::new(Engine::start(config, args.config.clone(), args.provider)?);
+    // The engine finds what only the host can tell (a configured device it does not have);
+    // its errors name the key, and get their line here.
+    let engine = Arc::new(
+        Engine::start(config, args.config.clone(), args.provider).map_err(|e| match e {
+            EngineError::Config(e) => EngineError::Config(e.located()),
+            other => other,
+        })?,
+    );
     let reloader = make_reloader(Arc::clone(&engine), log, args.log_level.is_some());
 
     let mut sigterm = signal(SignalKind::terminate()).context("cannot handle SIGTERM")?;
@@ -116,7 +123,11 @@ fn make_reloader(engine: Arc<Engine>, log: LogHandle, log_level_pinned: bool) ->
         let mut states = vec![NotifyState::Reloading];
         states.extend(NotifyState::monotonic_usec_now().ok());
         notify(&states);
-        let outcome = match engine.reload() {
+        // A missing file is refused even at the packaged path, where it means the defaults
+        // at start: see `Config::check_present`.
+        let outcome = match Config::check_present(engine.config_path())
+            .and_then(|()| engine.reload())
+        {
             Ok((config, needs_restart)) => {
                 if !log_level_pinned {
                     log.set_level(config.daemon.log_level);

@@ -153,20 +153,67 @@ impl fmt::Display for ConfigError {
 
 impl std::error::Error for ConfigError {}
 
+impl ConfigError {
+    /// For an error found after parsing (e.g. a device the host does not have), which
+    /// knows its key but not its line: the line of the key in the file, read again.
+    pub fn located(mut self) -> ConfigError {
+        if self.line == 0 && !self.key.is_empty() {
+            if let Ok(bytes) = std::fs::read(&self.file) {
+                self.line = KeyIndex::new(&String::from_utf8_lossy(&bytes)).line_of(&self.key);
+            }
+        }
+        self
+    }
+}
+
+/// The 1-based line of byte `offset` in `source`.
+fn line_at(source: &[u8], offset: usize) -> usize {
+    let offset = offset.min(source.len());
+    source[..offset].iter().filter(|&&b| b == b'\n').count() + 1
+}
+
+/// The error for a file that is not UTF-8: the line and key of the first bad byte.
+fn not_utf8(path: &Path, e: &std::string::FromUtf8Error) -> ConfigError {
+    let bytes = e.as_bytes();
+    let at = e.utf8_error().valid_up_to();
+    let line = line_at(bytes, at);
+    let line_start = bytes[..at]
+        .iter()
+        .rposition(|&b| b == b'\n')
+        .map_or(0, |i| i + 1);
+    ConfigError {
+        file: path.to_owned(),
+        line,
+        key: KeyIndex::new(&String::from_utf8_lossy(bytes)).key_at(line),
+        message: format!(
+            "byte 0x{:02x} at column {} is not UTF-8; the configuration must be UTF-8 text",
+            bytes[at],
+            at - line_start + 1
+        ),
+    }
+}
+
 impl Config {
-    /// Reads and validates `path`.
+    /// Reads and validates `path`. A file that is missing or cannot be read is an error
+    /// naming the file; one that is not UTF-8 names the line of the first bad byte.
     pub fn load(path: &Path) -> Result<Config, ConfigError> {
-        let source = std::fs::read_to_string(path).map_err(|e| ConfigError {
+        let bytes = std::fs::read(path).map_err(|e| ConfigError {
             file: path.to_owned(),
             line: 0,
             key: String::new(),
             message: format!("cannot read the configuration: {e}"),
         })?;
+        let source = String::from_utf8(bytes).map_err(|e| not_utf8(path, &e))?;
         Config::parse(path, &source)
     }
 
-    /// Like [`Config::load`], except that a missing file at the packaged path means the
-    /// built-in defaults (the shipped file configures exactly those).
+    /// The configuration at start: like [`Config::load`], except that a missing file at
+    /// the packaged path means the built-in defaults (the shipped file configures exactly
+    /// those, so a host where it was removed runs as if it were there). A missing file
+    /// anywhere else (`--config PATH`) is an error: that path was asked for.
+    ///
+    /// At reload a missing file is refused wherever it is (see [`Config::check_present`]):
+    /// the running configuration stays rather than silently turning into the defaults.
     pub fn load_or_default(path: &Path) -> Result<Config, ConfigError> {
         if path == Path::new(DEFAULT_PATH) && !path.exists() {
             tracing::info!("{DEFAULT_PATH} does not exist; using the built-in defaults");
@@ -175,20 +222,50 @@ impl Config {
         Config::load(path)
     }
 
+    /// Before a reload: the file must exist, even at the packaged path where a missing file
+    /// means the defaults at start. A file deleted while rdmad runs is most likely a mistake
+    /// or a half-done edit; to go back to the defaults, install the shipped file again (or
+    /// an empty one).
+    pub fn check_present(path: &Path) -> Result<(), ConfigError> {
+        match std::fs::metadata(path) {
+            Ok(_) => Ok(()),
+            Err(e) => Err(ConfigError {
+                file: path.to_owned(),
+                line: 0,
+                key: String::new(),
+                message: format!("cannot read the configuration: {e}"),
+            }),
+        }
+    }
+
     /// Parses and validates `source`, naming `path` in errors.
     pub fn parse(path: &Path, source: &str) -> Result<Config, ConfigError> {
         let keys = KeyIndex::new(source);
         let config: Config = toml::from_str(source).map_err(|e| {
             let mut line = e
                 .span()
-                .map(|span| {
-                    source[..span.start.min(source.len())]
-                        .lines()
-                        .count()
-                        .max(1)
-                })
+                .map(|span| line_at(source.as_bytes(), span.start))
                 .unwrap_or(0);
-            let message = e.message().trim().to_owned();
+            // toml sometimes says more on a second line; an error is one line in the log.
+            let mut message = e
+                .message()
+                .lines()
+                .map(str::trim)
+                .filter(|l| !l.is_empty())
+                .collect::<Vec<_>>()
+                .join(": ");
+            if message.is_empty() {
+                // toml says nothing of some characters (a lone carriage return in a
+                // comment, say); name the one it stopped at.
+                let at = e.span().and_then(|s| source.get(s.start..)?.chars().next());
+                message = match at {
+                    Some(c) => format!(
+                        "invalid TOML: unexpected character {c:?} (U+{:04X})",
+                        u32::from(c)
+                    ),
+                    None => "invalid TOML".to_owned(),
+                };
+            }
             let mut key = keys.key_at(line);
             // serde reports an unknown key at its table; point at the key itself.
             if let Some(field) = unknown_field(&message) {
@@ -315,9 +392,68 @@ fn unknown_field(message: &str) -> Option<&str> {
     message.strip_prefix("unknown field `")?.split('`').next()
 }
 
+/// `name` as one segment of a dotted key in error messages, written as TOML would: bare
+/// when it can be, else quoted (`quota.user."alice.smith"`).
+pub fn key_segment(name: &str) -> String {
+    if !name.is_empty()
+        && name
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || c == '_' || c == '-')
+    {
+        name.to_owned()
+    } else {
+        format!("\"{}\"", name.replace('\\', "\\\\").replace('"', "\\\""))
+    }
+}
+
+/// Reads a dotted TOML key (bare, "basic" or 'literal' segments) at the start of `text`:
+/// the key in the form [`key_segment`] writes, and the rest of the text.
+fn read_key(text: &str) -> Option<(String, &str)> {
+    let mut segments = Vec::new();
+    let mut rest = text.trim_start();
+    loop {
+        let (segment, after) = if let Some(quoted) = rest.strip_prefix('"') {
+            let mut segment = String::new();
+            let mut chars = quoted.char_indices();
+            loop {
+                match chars.next()? {
+                    (i, '"') => break (segment, &quoted[i + 1..]),
+                    (_, '\\') => segment.push(chars.next()?.1),
+                    (_, c) => segment.push(c),
+                }
+            }
+        } else if let Some(literal) = rest.strip_prefix('\'') {
+            let end = literal.find('\'')?;
+            (literal[..end].to_owned(), &literal[end + 1..])
+        } else {
+            let end = rest
+                .find(|c: char| !(c.is_ascii_alphanumeric() || c == '_' || c == '-'))
+                .unwrap_or(rest.len());
+            if end == 0 {
+                return None;
+            }
+            (rest[..end].to_owned(), &rest[end..])
+        };
+        segments.push(key_segment(&segment));
+        let after = after.trim_start();
+        match after.strip_prefix('.') {
+            Some(next) => rest = next.trim_start(),
+            None => return Some((segments.join("."), after)),
+        }
+    }
+}
+
+/// The table a header line names, after its opening bracket(s). A malformed header
+/// (`[daemon`) still counts, so its error names the table; a line of a multi-line array
+/// (`[1, 2],`) does not.
+fn header_name(rest: &str, close: &str) -> Option<String> {
+    let (name, after) = read_key(rest)?;
+    (after.is_empty() || after.starts_with(close) || after.starts_with('#')).then_some(name)
+}
+
 /// Which dotted key each line of a TOML file defines, for error messages. Understands the
-/// layout the shipped file uses (`[table]`, `[[array]]`, `key = value`); anything fancier
-/// falls back to the enclosing table.
+/// layout the shipped file uses (`[table]`, `[[array]]`, `key = value`, dotted and quoted
+/// keys); anything fancier falls back to the enclosing table.
 struct KeyIndex {
     /// (1-based line, dotted key)
     lines: Vec<(usize, String)>,
@@ -329,21 +465,23 @@ impl KeyIndex {
         let mut table = String::new();
         let mut array_counts: std::collections::HashMap<String, usize> = Default::default();
         for (n, raw) in source.lines().enumerate() {
-            let line = raw.trim();
-            if let Some(name) = line.strip_prefix("[[").and_then(|l| l.split("]]").next()) {
-                let name = name.trim().to_owned();
-                let count = array_counts.entry(name.clone()).or_insert(0);
-                table = format!("{name}[{count}]");
-                *count += 1;
-                lines.push((n + 1, table.clone()));
-            } else if let Some(name) = line.strip_prefix('[').and_then(|l| l.split(']').next()) {
-                table = name.trim().to_owned();
-                lines.push((n + 1, table.clone()));
-            } else if let Some((key, _)) = line.split_once('=') {
-                let key = key.trim().trim_matches('"');
-                if !key.is_empty() && !line.starts_with('#') {
+            let line = raw.trim_start();
+            if let Some(rest) = line.strip_prefix("[[") {
+                if let Some(name) = header_name(rest, "]]") {
+                    let count = array_counts.entry(name.clone()).or_insert(0);
+                    table = format!("{name}[{count}]");
+                    *count += 1;
+                    lines.push((n + 1, table.clone()));
+                }
+            } else if let Some(rest) = line.strip_prefix('[') {
+                if let Some(name) = header_name(rest, "]") {
+                    table = name;
+                    lines.push((n + 1, table.clone()));
+                }
+            } else if let Some((key, after)) = read_key(line) {
+                if after.starts_with('=') {
                     let dotted = if table.is_empty() {
-                        key.to_owned()
+                        key
                     } else {
                         format!("{table}.{key}")
                     };
@@ -496,6 +634,7 @@ mod tests {
                 "duplicate key",
             ),
             ("[daemon\n", 1, "daemon", "invalid table header"),
+            ("[daemon]\n#\rcomment\n", 2, "daemon", "unexpected character '\\r'"),
             ("[[pool]]\nname = \"p\"\ncapacity = \"1GiB\"\n", 1, "pool[0].size_classes", "set size_classes"),
             ("[[pool]]\nname = \"p\"\ncapacity = \"1GB\"\n", 3, "pool[0].capacity", "unknown unit"),
             ("[[pool]]\nname = \"p\"\ncapacity = -4096\nsize_classes = [4096]\n", 3, "pool[0].capacity", "negative"),
@@ -515,17 +654,93 @@ mod tests {
             ("[quota.default]\nregion = 10\n", 2, "quota.default.region", "unknown field"),
             ("[quota.user.no-such-user-x]\nregions = 1\n", 1, "quota.user.no-such-user-x", "no user named"),
             ("[quota.group.root]\nregistered_bytes = \"2 PiB\"\n", 2, "quota.group.root.registered_bytes", "unknown unit"),
+            // An error toml places at the start of a line is on that line, not the one before.
+            ("[quota.default]\nregions = 7\n\n[[pool]]\ncapacity = \"1MiB\"\n", 4, "pool[0]", "missing field `name`"),
+            ("[daemon]\nlog_level = \"info\"\n[daemon]\n", 3, "daemon", "invalid table header: duplicate key `daemon`"),
+            // Quoted and dotted keys are found as TOML reads them.
+            ("[quota.user.\"no.such.user\"]\nregions = 1\n", 1, "quota.user.\"no.such.user\"", "no user named"),
+            ("[quota.user.'root']\nregions = 100000000000\n", 2, "quota.user.root.regions", "absurd"),
+            ("[quota]\ndefault . \"regions\" = 100000000000\n", 2, "quota.default.regions", "absurd"),
+            ("[quota.default]\nregions = 7\n# keys = 5\n\"keys\" = -5\n", 4, "quota.default.keys", "invalid value"),
         ];
         for (source, line, key, message) in cases {
             let e = parse(source).expect_err(source);
             assert_eq!(e.file, Path::new("/etc/rdmad/rdmad.toml"), "{source}");
             assert_eq!((e.line, e.key.as_str()), (*line, *key), "{source}: {e}");
             assert!(e.message.contains(message), "{source}: {e}");
+            assert!(!e.message.contains('\n'), "{source}: {e}");
             let shown = e.to_string();
             assert!(
                 shown.starts_with(&format!("/etc/rdmad/rdmad.toml:{line}")),
                 "{shown}"
             );
+        }
+    }
+
+    #[test]
+    fn a_file_that_is_not_utf8_names_the_line_and_key_of_the_bad_byte() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("rdmad.toml");
+        std::fs::write(
+            &path,
+            b"[daemon]\nlog_level = \"info\"\nadmin_group = \"r\xffot\"\n",
+        )
+        .unwrap();
+        let e = Config::load(&path).unwrap_err();
+        assert_eq!((e.line, e.key.as_str()), (3, "daemon.admin_group"), "{e}");
+        assert!(
+            e.message.starts_with("byte 0xff at column 17 is not UTF-8"),
+            "{e}"
+        );
+    }
+
+    /// Errors found after parsing (the engine's, about devices) get their line from the file.
+    #[test]
+    fn located_errors_find_their_line() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("rdmad.toml");
+        std::fs::write(
+            &path,
+            "[daemon]\n\n[[device]]\nname = \"a\"\n[[device]]\nname = \"b\"\n",
+        )
+        .unwrap();
+        let e = ConfigError {
+            file: path.clone(),
+            line: 0,
+            key: "device[1].name".into(),
+            message: "no device named \"b\" on this host".into(),
+        };
+        assert_eq!(e.located().line, 6);
+    }
+
+    /// A missing file: the defaults at start at the packaged path only; an error at any
+    /// other path; and an error at reload wherever it is.
+    #[test]
+    fn missing_file_means_defaults_only_at_the_packaged_path_at_start() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("rdmad.toml");
+        let e = Config::load_or_default(&path).unwrap_err();
+        assert_eq!((e.line, e.key.as_str()), (0, ""));
+        assert!(
+            e.message.starts_with("cannot read the configuration: "),
+            "{e}"
+        );
+        let e = Config::check_present(&path).unwrap_err();
+        assert_eq!(
+            e.to_string(),
+            format!(
+                "{}: cannot read the configuration: No such file or directory (os error 2)",
+                path.display()
+            )
+        );
+        std::fs::write(&path, "").unwrap();
+        Config::check_present(&path).unwrap();
+        if !Path::new(DEFAULT_PATH).exists() {
+            assert_eq!(
+                Config::load_or_default(Path::new(DEFAULT_PATH)).unwrap(),
+                Config::default()
+            );
+            assert!(Config::check_present(Path::new(DEFAULT_PATH)).is_err());
         }
     }
 

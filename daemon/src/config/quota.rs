@@ -120,22 +120,18 @@ impl QuotaSection {
     pub(super) fn validate(&self) -> Result<(), (String, String)> {
         self.default.validate("quota.default")?;
         for (name, limits) in &self.user {
+            let table = format!("quota.user.{}", super::key_segment(name));
             if !super::user_exists(name) {
-                return Err((
-                    format!("quota.user.{name}"),
-                    format!("there is no user named {name:?}"),
-                ));
+                return Err((table, format!("there is no user named {name:?}")));
             }
-            limits.validate(&format!("quota.user.{name}"))?;
+            limits.validate(&table)?;
         }
         for (name, limits) in &self.group {
+            let table = format!("quota.group.{}", super::key_segment(name));
             if !super::group_exists(name) {
-                return Err((
-                    format!("quota.group.{name}"),
-                    format!("there is no group named {name:?}"),
-                ));
+                return Err((table, format!("there is no group named {name:?}")));
             }
-            limits.validate(&format!("quota.group.{name}"))?;
+            limits.validate(&table)?;
         }
         Ok(())
     }

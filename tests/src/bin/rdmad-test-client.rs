@@ -22,6 +22,8 @@
 //!   post-garbage Q WRID | bad-tail Q | wait Q → completion JSON (60 s at most)
 //!   export N Q [ACCESS] → [addr, rkey, len, export id] | unexport N EXPORT
 //!   sessions | regions | pools | qps | devices | quota UID | reload
+//!   watch                         → the unique name of rdmad now (starts a DaemonWatch)
+//!   gone                          → {previous, current, message} once that rdmad left
 //!   exit
 
 use std::io::BufRead;
@@ -31,7 +33,7 @@ use rdmad_client::proxy::{ManagerProxy, Options, QueuePairProxy, RegionProxy, Se
 use rdmad_client::queue_pair::QueuePairRing;
 use rdmad_client::ring::{Opcode, RegionSge, Submission};
 use rdmad_client::types::Endpoint;
-use rdmad_client::{Error, RegionMapping};
+use rdmad_client::{DaemonWatch, Error, RegionMapping};
 use serde_json::{json, Value};
 use zbus::zvariant::{OwnedObjectPath, Value as ZValue};
 
@@ -44,8 +46,8 @@ struct Held {
 
 fn error_json(e: Error) -> Value {
     match e {
-        Error::ZBus(zbus::Error::MethodError(name, message, _)) => {
-            json!({"error": name.as_str(), "message": message.unwrap_or_default()})
+        Error::ZBus(zbus::Error::MethodError(ref name, _, _)) => {
+            json!({"error": name.as_str(), "message": e.message()})
         }
         Error::ZBus(other) => json!({"error": "transport", "message": other.to_string()}),
         other => json!({"error": other.dbus_name(), "message": other.message()}),
@@ -86,6 +88,7 @@ async fn main() {
     let mut held: Vec<Held> = Vec::new();
     let mut qps: Vec<String> = Vec::new();
     let mut rings: Vec<QueuePairRing> = Vec::new();
+    let mut watch: Option<DaemonWatch> = None;
 
     let stdin = std::io::stdin();
     for line in stdin.lock().lines() {
@@ -388,6 +391,23 @@ async fn main() {
                     Ok(serde_json::to_value(manager.get_quota(num(0) as u32).await?).unwrap())
                 }
                 "reload" => manager.reload().await.map(|()| Value::Null),
+                "watch" => {
+                    let w = DaemonWatch::new(&c).await?;
+                    let owner = w.owner().to_owned();
+                    watch = Some(w);
+                    Ok(json!(owner))
+                }
+                "gone" => {
+                    let w = watch.as_mut().expect("watch first");
+                    match tokio::time::timeout(std::time::Duration::from_secs(60), w.gone()).await {
+                        Ok(gone) => Ok(json!({
+                            "previous": gone.previous,
+                            "current": gone.current,
+                            "message": gone.to_string(),
+                        })),
+                        Err(_) => Err(Error::InvalidArgument("rdmad did not go in 60 s".into())),
+                    }
+                }
                 "exit" => std::process::exit(0),
                 other => Err(Error::InvalidArgument(format!("unknown command {other}"))),
             }
