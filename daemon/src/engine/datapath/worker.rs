@@ -641,8 +641,9 @@ mod tests {
         .unwrap()
     }
 
-    #[test]
-    fn a_refused_submission_comes_back_as_a_completion() {
+    /// A loopback engine and one queue pair of a session of uid 1000 (the engine must live
+    /// as long as the QP is used).
+    fn loopback_qp() -> (Engine, Arc<QueuePairRecord>) {
         let config = Config::default();
         let engine = Engine::start(
             config.clone(),
@@ -660,6 +661,12 @@ mod tests {
         let (_, q) = engine
             .create_qp(&alice, s, "loopback0", QpOptions::default())
             .unwrap();
+        (engine, q)
+    }
+
+    #[test]
+    fn a_refused_submission_comes_back_as_a_completion() {
+        let (_engine, q) = loopback_qp();
         let mut ring = ring_of(&q);
         let sub = Submission::new(
             Opcode::Send,
@@ -684,23 +691,7 @@ mod tests {
     /// once the client reads.
     #[test]
     fn a_client_that_never_reads_completions_is_held_to_a_bound() {
-        let config = Config::default();
-        let engine = Engine::start(
-            config.clone(),
-            PathBuf::from("/dev/null"),
-            Some(ProviderChoice::Loopback),
-        )
-        .unwrap();
-        let alice = Caller {
-            bus_name: ":1.1".into(),
-            uid: 1000,
-            gids: vec![],
-            pid: None,
-        };
-        let s = engine.registry.open_session(&config, &alice).unwrap();
-        let (_, q) = engine
-            .create_qp(&alice, s, "loopback0", QpOptions::default())
-            .unwrap();
+        let (_engine, q) = loopback_qp();
         let (sq, cq) = (q.layout.sq_entries, q.layout.cq_entries);
         let mut ring = ring_of(&q);
         let refused = |wr_id| {
