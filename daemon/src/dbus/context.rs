@@ -59,29 +59,67 @@ impl Context {
         server.at(session_path(id), object).await.map(drop)
     }
 
+    /// Serves the object of a region `caller` just allocated. Its session may have been
+    /// closed (by `Close`, an administrator, or its connection leaving the bus) after the
+    /// engine made the region and before its object was served, and the closing withdrew
+    /// nothing then: so once the object is served, the region is looked up again, and if it
+    /// is gone the object is withdrawn here and the caller is told.
     pub async fn publish_region(
         self: &Arc<Self>,
         server: &ObjectServer,
+        caller: &Caller,
         id: RegionId,
-    ) -> zbus::Result<()> {
+    ) -> Result<(), Error> {
         let object = RegionObject::new(Arc::clone(self), id);
-        server.at(region_path(id), object).await.map(drop)
+        server.at(region_path(id), object).await?;
+        if self
+            .engine
+            .registry
+            .region(&self.config(), caller, id)
+            .is_err()
+        {
+            let _ = server.remove::<RegionObject, _>(region_path(id)).await;
+            return Err(Error::NoSuchObject(format!(
+                "region {id}: its session was closed while it was being allocated"
+            )));
+        }
+        Ok(())
     }
 
-    pub async fn publish_qp(self: &Arc<Self>, server: &ObjectServer, id: u64) -> zbus::Result<()> {
+    /// Serves the object of a queue pair `caller` just created; like `publish_region`, it
+    /// withdraws it again if the session was closed meanwhile.
+    pub async fn publish_qp(
+        self: &Arc<Self>,
+        server: &ObjectServer,
+        caller: &Caller,
+        id: u64,
+    ) -> Result<(), Error> {
         let object = QueuePairObject::new(Arc::clone(self), id);
-        server.at(qp_path(id), object).await.map(drop)
+        server.at(qp_path(id), object).await?;
+        if self.engine.registry.own_qp(caller, id).is_err() {
+            let _ = server.remove::<QueuePairObject, _>(qp_path(id)).await;
+            return Err(Error::NoSuchObject(format!(
+                "queue pair {id}: its session was closed while it was being created"
+            )));
+        }
+        Ok(())
     }
 
-    /// Withdraws the objects of what the engine removed.
+    /// Withdraws the objects of what the engine removed. An object not served (yet) is no
+    /// error: a region or queue pair removed while it was being made is withdrawn by its
+    /// publisher (`publish_region`, `publish_qp`).
     pub async fn withdraw(&self, server: &ObjectServer, removed: &Removed) {
+        let served = |r: zbus::Result<bool>| match r {
+            Ok(_) | Err(zbus::Error::InterfaceNotFound) => Ok(()),
+            Err(e) => Err(e),
+        };
         for id in &removed.qps {
-            if let Err(e) = server.remove::<QueuePairObject, _>(qp_path(*id)).await {
+            if let Err(e) = served(server.remove::<QueuePairObject, _>(qp_path(*id)).await) {
                 tracing::warn!(qp = id, "cannot withdraw the queue pair object: {e}");
             }
         }
         for id in &removed.regions {
-            if let Err(e) = server.remove::<RegionObject, _>(region_path(*id)).await {
+            if let Err(e) = served(server.remove::<RegionObject, _>(region_path(*id)).await) {
                 tracing::warn!(region = id, "cannot withdraw the region object: {e}");
             }
         }

@@ -73,7 +73,9 @@ impl SessionObject {
             engine
                 .registry
                 .allocate(&self.ctx.config(), &caller, self.id, &pool, size)?;
-        self.ctx.publish_region(server, handout.region).await?;
+        self.ctx
+            .publish_region(server, &caller, handout.region)
+            .await?;
         tracing::debug!(
             session = self.id,
             region = handout.region,
@@ -158,7 +160,7 @@ impl SessionObject {
         let ring = dup(q.ring.fd())?;
         let doorbell = dup(std::os::fd::AsFd::as_fd(&q.doorbell))?;
         let completion = dup(std::os::fd::AsFd::as_fd(&q.completion_event))?;
-        self.ctx.publish_qp(server, id).await?;
+        self.ctx.publish_qp(server, &caller, id).await?;
         tracing::info!(
             session = self.id,
             qp = id,

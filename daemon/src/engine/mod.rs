@@ -165,6 +165,14 @@ impl Engine {
                 .create_qp(&self.config(), caller, session, entry, options)?;
         if let Some(worker) = self.workers.get(device) {
             worker.add(id, Arc::clone(&record));
+            // The session may have been closed since the registry took the QP, and the
+            // worker told to let go of it before it had it: look again now that it has it.
+            if self.registry.own_qp(caller, id).is_err() {
+                worker.remove(&[id]);
+                return Err(EngineError::NoSuchObject(format!(
+                    "session {session} (closed while the queue pair was made)"
+                )));
+            }
         }
         Ok((id, record))
     }
@@ -211,7 +219,14 @@ impl Engine {
                 },
             )
             .map_err(|e| {
-                EngineError::Io(format!("cannot bind a window over region {region}: {e}"))
+                // Destroyed (or its session closed) meanwhile: that is what the caller hears.
+                if self.registry.own_qp(caller, qp_id).is_err() {
+                    EngineError::NoSuchObject(format!(
+                        "queue pair {qp_id} (destroyed while the export was being made)"
+                    ))
+                } else {
+                    EngineError::Io(format!("cannot bind a window over region {region}: {e}"))
+                }
             })?;
         let rkey = window.rkey();
         let export = self.registry.add_export(region, qp_id, window)?;
@@ -225,7 +240,7 @@ impl Engine {
         region: RegionId,
         export: qp::ExportId,
     ) -> Result<(), EngineError> {
-        let (qp_id, window) = self.registry.remove_export(caller, region, export)?;
+        let (qp_id, window, bound_through) = self.registry.remove_export(caller, region, export)?;
         let device = self
             .registry
             .own_qp(caller, qp_id)
@@ -233,11 +248,18 @@ impl Engine {
         if let Some(worker) = device.ok().and_then(|d| self.workers.get(&d)) {
             let rkey = window.rkey();
             if let Err(e) = worker.run(qp_id, crate::provider::SendOp::LocalInvalidate { rkey }) {
-                // Dropping the window below invalidates it as well.
-                tracing::warn!(region, export, "invalidation failed: {e}");
+                // Dropping the window below invalidates it as well. A QP destroyed since it
+                // was looked up (its session closed, `Destroy`) is no surprise.
+                if self.registry.own_qp(caller, qp_id).is_ok() {
+                    tracing::warn!(region, export, "invalidation failed: {e}");
+                } else {
+                    tracing::debug!(region, export, "the queue pair went away first: {e}");
+                }
             }
         }
         drop(window);
+        // The QP may have been destroyed meanwhile: it goes only now, after its window.
+        drop(bound_through);
         Ok(())
     }
 
@@ -439,5 +461,70 @@ mod tests {
         assert_eq!(device.object_counts().pds, 1);
         engine.shutdown();
         assert_eq!(device.object_counts(), ObjectCounts::default());
+    }
+
+    /// A queue pair whose session is closed while it is being created is not left to the
+    /// data-path worker, which would keep it (and its CQ) alive with no session. Found while
+    /// fuzzing the D-Bus surface (`tests/tests/fuzz_dbus.rs`); the race is swept by closing
+    /// the session a little later in every round.
+    #[test]
+    fn a_queue_pair_made_while_its_session_closes_is_released() {
+        let engine = Arc::new(
+            Engine::start(
+                Config::default(),
+                PathBuf::from("/dev/null"),
+                Some(ProviderChoice::Loopback),
+            )
+            .unwrap(),
+        );
+        let caller = crate::policy::Caller {
+            bus_name: ":1.1".into(),
+            uid: 0,
+            gids: Vec::new(),
+            pid: None,
+        };
+        let baseline = engine.provider_counts();
+        // How long one creation takes, to spread the closings over it.
+        let started = std::time::Instant::now();
+        let session = engine
+            .registry
+            .open_session(&engine.config(), &caller)
+            .unwrap();
+        drop(engine.create_qp(&caller, session, "loopback0", qp::QpOptions::default()));
+        let span = started.elapsed().max(std::time::Duration::from_micros(20));
+        engine
+            .registry
+            .close_session(&engine.config(), &caller, session)
+            .unwrap();
+        let rounds = 3000u32;
+        for round in 0..rounds {
+            let session = engine
+                .registry
+                .open_session(&engine.config(), &caller)
+                .unwrap();
+            let barrier = Arc::new(std::sync::Barrier::new(2));
+            let closer = {
+                let (engine, caller, barrier) =
+                    (Arc::clone(&engine), caller.clone(), Arc::clone(&barrier));
+                let delay = span * round / rounds;
+                std::thread::spawn(move || {
+                    barrier.wait();
+                    let until = std::time::Instant::now() + delay;
+                    while std::time::Instant::now() < until {
+                        std::hint::spin_loop();
+                    }
+                    engine
+                        .registry
+                        .close_session(&engine.config(), &caller, session)
+                        .unwrap();
+                })
+            };
+            barrier.wait();
+            drop(engine.create_qp(&caller, session, "loopback0", qp::QpOptions::default()));
+            closer.join().unwrap();
+        }
+        assert_eq!(engine.registry.qp_count(), 0);
+        let after = engine.provider_counts();
+        assert_eq!((after.qps, after.cqs), (baseline.qps, baseline.cqs));
     }
 }

@@ -113,11 +113,17 @@ impl Removed {
     }
 }
 
+/// A memory window bound through a queue pair.
+type Window = Arc<dyn crate::provider::MemoryWindow>;
+
 /// Device objects released outside the lock (destruction can be slow): queue pairs (with
 /// their windows) before the registrations they may have used.
 #[derive(Default)]
 struct Garbage {
-    windows: Vec<Arc<dyn crate::provider::MemoryWindow>>,
+    /// Windows taken out of their queue pairs, each with the queue pair it is bound
+    /// through: that one must outlive the window even if it is destroyed meanwhile (rxe
+    /// blocks ~50 s destroying a QP with a valid type-2 window).
+    windows: Vec<(Window, Arc<QueuePairRecord>)>,
     qps: Vec<Arc<QueuePairRecord>>,
     mrs: Vec<Arc<dyn MemoryRegion>>,
 }
@@ -131,7 +137,9 @@ impl Garbage {
 
     /// Windows (their rkeys die) before queue pairs before registrations.
     fn release(self) {
-        drop(self.windows);
+        let (windows, bound_through): (Vec<_>, Vec<_>) = self.windows.into_iter().unzip();
+        drop(windows);
+        drop(bound_through);
         drop(self.qps);
         drop(self.mrs);
     }
@@ -365,7 +373,7 @@ impl Registry {
         for (qp, export) in &region.exports {
             if let Some(record) = s.qps.get(qp) {
                 if let Some(e) = lock(&record.exports).remove(export) {
-                    garbage.windows.push(e.window);
+                    garbage.windows.push((e.window, Arc::clone(record)));
                 }
             }
         }
@@ -973,14 +981,15 @@ impl Registry {
         Ok(export)
     }
 
-    /// Removes an export of a region the caller owns; returns its QP and window (the
-    /// caller invalidates, then drops it).
+    /// Removes an export of a region the caller owns; returns its QP's id, its window and
+    /// the QP itself (the caller invalidates the window, then drops it, then the QP, which
+    /// may have been destroyed meanwhile and must not go before its window).
     pub fn remove_export(
         &self,
         caller: &Caller,
         id: RegionId,
         export: ExportId,
-    ) -> Result<(QpId, Arc<dyn crate::provider::MemoryWindow>), EngineError> {
+    ) -> Result<(QpId, Window, Arc<QueuePairRecord>), EngineError> {
         let mut s = lock(&self.state);
         Self::own_region(&s, caller, id)?;
         let (qp, _) = *s.regions[&id]
@@ -995,15 +1004,18 @@ impl Registry {
             .expect("checked")
             .exports
             .remove(&(qp, export));
-        let window = s
+        let (window, record) = s
             .qps
             .get(&qp)
-            .and_then(|r| lock(&r.exports).remove(&export))
-            .map(|e| e.window)
+            .and_then(|r| {
+                lock(&r.exports)
+                    .remove(&export)
+                    .map(|e| (e.window, Arc::clone(r)))
+            })
             .ok_or(EngineError::NoSuchObject(format!(
                 "export {export} (its queue pair is gone)"
             )))?;
-        Ok((qp, window))
+        Ok((qp, window, record))
     }
 
     /// What the session's QPs may touch: its own regions read-write, attached regions as
@@ -1170,6 +1182,81 @@ mod tests {
             gids: vec![uid],
             pid: None,
         }
+    }
+
+    /// A window taken out of its queue pair (by `ReleaseExport`, or with a freed region)
+    /// keeps that queue pair alive until the window is dropped, even if the queue pair is
+    /// destroyed meanwhile: a QP destroyed with a type-2 window still bound blocks rxe for
+    /// ~50 s. Found by rdmad-fuzz-dbus (`Free` or `ReleaseExport` racing `Destroy`: the
+    /// loopback device's warning about it).
+    #[test]
+    fn windows_taken_out_keep_their_queue_pair_until_dropped() {
+        use crate::engine::qp::QpOptions;
+        use crate::provider::{Access, RemoteEndpoint};
+        let (engine, config) = engine_on(ProviderChoice::Loopback, COLD_POOL);
+        let pool = Arc::clone(engine.pool("p").unwrap());
+        let device = Arc::clone(&engine.devices()[0].device);
+        let alice = caller(1000, ":1.1");
+        let s = engine.registry.open_session(&config, &alice).unwrap();
+        let qps: Vec<QpId> = (0..2)
+            .map(|_| {
+                engine
+                    .create_qp(&alice, s, "loopback0", QpOptions::default())
+                    .unwrap()
+                    .0
+            })
+            .collect();
+        for (me, peer) in [(qps[0], qps[1]), (qps[1], qps[0])] {
+            let peer = engine.registry.own_qp(&alice, peer).unwrap();
+            let remote = RemoteEndpoint {
+                gid: peer.local.gid,
+                qp_num: peer.local.qp_num,
+                psn: peer.local.psn,
+                lid: peer.local.lid,
+            };
+            let record = engine.registry.own_qp(&alice, me).unwrap();
+            record.connect(device.as_ref(), remote).unwrap();
+        }
+        let qps_alive = || device.object_counts().qps;
+        assert_eq!(qps_alive(), 2);
+
+        // ReleaseExport: the window is handed out, the QP destroyed before it is dropped.
+        let region = engine
+            .registry
+            .allocate(&config, &alice, s, &pool, 4096)
+            .unwrap()
+            .region;
+        let (export, ..) = engine
+            .export_remote(&alice, region, qps[0], Access::REMOTE_WRITE)
+            .unwrap();
+        let (_, window, bound_through) = engine
+            .registry
+            .remove_export(&alice, region, export)
+            .unwrap();
+        engine.registry.destroy_qp(&alice, qps[0]).unwrap();
+        assert_eq!(
+            qps_alive(),
+            2,
+            "the QP outlives the window bound through it"
+        );
+        drop(window);
+        drop(bound_through);
+        assert_eq!(qps_alive(), 1);
+
+        // A freed region: its windows go with the garbage, the QP destroyed meanwhile.
+        engine
+            .export_remote(&alice, region, qps[1], Access::REMOTE_READ)
+            .unwrap();
+        let garbage = Registry::remove_region(&mut lock(&engine.registry.state), region).unwrap();
+        engine.registry.destroy_qp(&alice, qps[1]).unwrap();
+        assert_eq!(
+            qps_alive(),
+            1,
+            "the QP outlives the window bound through it"
+        );
+        garbage.release();
+        assert_eq!(qps_alive(), 0);
+        assert_eq!(device.object_counts().mws, 0);
     }
 
     const POOL: &str = "[[pool]]\nname = \"p\"\ncapacity = \"64MiB\"\n\
