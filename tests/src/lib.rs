@@ -47,6 +47,22 @@ pub fn binary(name: &str) -> PathBuf {
     path
 }
 
+/// The kernel's verbs objects per RDMA device (`rdma resource show`: ctx, pd, cq, qp, mr,
+/// …) when `provider` is `"verbs"`; `None` on the loopback provider, which the kernel never
+/// sees. A daemon that has released everything leaves this as it was. Only meaningful while
+/// no other process uses the device: the VM tier runs one test binary per guest.
+pub fn kernel_verbs_objects(provider: &str) -> Option<String> {
+    if provider != "verbs" {
+        return None;
+    }
+    let out = std::process::Command::new("rdma")
+        .args(["resource", "show"])
+        .output()
+        .expect("run `rdma resource show` (iproute2)");
+    assert!(out.status.success(), "rdma resource show: {out:?}");
+    Some(String::from_utf8(out.stdout).expect("rdma resource show prints UTF-8"))
+}
+
 /// One body, two tests: `NAME` on the loopback device and `rxe_NAME` on Soft-RoCE (the VM
 /// tier runs `rxe_*`). The bodies live in a module `bodies` of the calling file and take
 /// the provider name (`"loopback"` or `"verbs"`).

@@ -1,8 +1,8 @@
 //! Churn: a thousand client processes open sessions, allocate, share and attach regions,
 //! create and connect QPs, export, start transfers — and are killed with SIGKILL at a
 //! random point of that script, sometimes in the middle of a call. Afterwards the daemon's
-//! objects, the provider's objects, the pool's usage and the daemon's descriptors are back
-//! to their baseline, and its memory has grown by less than [`RSS_GROWTH_BOUND`].
+//! objects, the provider's objects (on rxe0 the kernel's verbs objects too), the pool's
+//! usage and the daemon's descriptors are back to their baseline, and its memory has grown by less than [`RSS_GROWTH_BOUND`].
 //!
 //! `RDMAD_CHURN_CLIENTS` (default 1000) and `RDMAD_CHURN_SEED` (default: the clock; the
 //! seed is printed) reproduce a run.
@@ -20,7 +20,7 @@ mod bodies {
     use rdmad_tests::client::Client;
     use rdmad_tests::daemon::{object_counts, start_on, wait_for_sessions};
     use rdmad_tests::rng::Rng;
-    use rdmad_tests::NOBODY;
+    use rdmad_tests::{kernel_verbs_objects, NOBODY};
     use serde_json::Value;
 
     /// What the daemon's resident memory may grow by over the whole run, measured after a
@@ -169,15 +169,21 @@ mod bodies {
                     pool_usage(&mut peer),
                     open_fds(pid),
                     status_kib(pid, "VmRSS:"),
+                    kernel_verbs_objects(provider),
                 ));
             }
         }
-        let (counts, pools, fds, rss) = baseline.unwrap();
+        let (counts, pools, fds, rss, kernel) = baseline.unwrap();
 
         let after = wait_for_sessions(&bus, 1).await;
         assert_eq!(after, counts, "objects after the churn vs the baseline");
         assert_eq!(pool_usage(&mut peer), pools, "pool usage");
         assert_eq!(open_fds(pid), fds, "the daemon's open descriptors");
+        assert_eq!(
+            kernel_verbs_objects(provider),
+            kernel,
+            "the kernel's verbs objects"
+        );
         let grown = status_kib(pid, "VmRSS:").saturating_sub(rss) * 1024;
         println!(
             "churn: {clients} clients on {provider}; daemon RSS {} KiB after the warm-up, \

@@ -5,7 +5,10 @@
 //!   `QuotaExceeded`, and `GetQuota` shows the use at the limit, never beyond.
 //! - Free, attach, revoke and export racing on one region, in a random order each round:
 //!   whatever wins, afterwards no key attaches, no rkey reaches the memory, every
-//!   attachment has ended, and every object count is back to its baseline.
+//!   attachment has ended, and every object count (on rxe0 the kernel's verbs objects
+//!   too) is back to its baseline.
+//!
+//! The two run one after the other, so that each can compare the kernel's objects.
 //!
 //! `RDMAD_RACE_SEED` replays a run (the seed is printed).
 
@@ -20,10 +23,13 @@ mod bodies {
     use rdmad_tests::client::Client;
     use rdmad_tests::daemon::{object_counts, start_on, wait_for_sessions};
     use rdmad_tests::rng::Rng;
-    use rdmad_tests::NOBODY;
+    use rdmad_tests::{kernel_verbs_objects, NOBODY};
     use serde_json::Value;
 
     const OTHER: u32 = 1;
+    /// Held by each test for its whole run: the kernel's verbs objects are per device, so a
+    /// test comparing them must be alone on it.
+    static ALONE: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
     /// What a call on a region that is gone gets: the bus's answer once the object is
     /// withdrawn, the daemon's if the call raced with the withdrawal.
     const GONE: [&str; 2] = [
@@ -63,10 +69,12 @@ mod bodies {
     pub async fn racing_for_the_last_units_of_every_quota_never_overshoots(provider: &str) {
         const CLIENTS: usize = 8;
         const LIMIT: u64 = 5;
+        let _alone = ALONE.lock().await;
         let (bus, daemon) = start_on(provider, POOL).await;
         let mut admin = Client::start(&bus, None);
         let device = admin.ok("devices")[0]["name"].as_str().unwrap().to_owned();
         let baseline = object_counts(&bus).await;
+        let kernel = kernel_verbs_objects(provider);
         // (quota key, its limit, what each client does first, what it races with, how often)
         let alloc64 = "alloc default 65536".to_owned();
         let phases: [(&str, String, &[&str], String, usize); 5] = [
@@ -149,6 +157,11 @@ mod bodies {
             }
             let after = wait_for_sessions(&bus, 0).await;
             assert_eq!(after, baseline, "{quota}: objects after the clients died");
+            assert_eq!(
+                kernel_verbs_objects(provider),
+                kernel,
+                "{quota}: the kernel's verbs objects after the clients died"
+            );
         }
     }
 
@@ -160,9 +173,11 @@ mod bodies {
     pub async fn free_attach_revoke_and_export_racing_on_one_region(provider: &str) {
         const ROUNDS: usize = 30;
         const ATTACHERS: usize = 4;
+        let _alone = ALONE.lock().await;
         let mut rng = Rng::new(seed());
         let (bus, _daemon) = start_on(provider, POOL).await;
         let baseline = object_counts(&bus).await;
+        let kernel = kernel_verbs_objects(provider);
         let mut admin = Client::start(&bus, None);
         let device = admin.ok("devices")[0]["name"].as_str().unwrap().to_owned();
         let dead_key = [
@@ -297,6 +312,11 @@ mod bodies {
             }
             let after = wait_for_sessions(&bus, 0).await;
             assert_eq!(after, baseline, "round {round}: objects after the round");
+            assert_eq!(
+                kernel_verbs_objects(provider),
+                kernel,
+                "round {round}: the kernel's verbs objects after the round"
+            );
         }
         println!("outcomes over {ROUNDS} rounds: {outcomes:?}");
     }

@@ -14,20 +14,10 @@ mod bodies {
     use rdmad_tests::bus::PrivateBus;
     use rdmad_tests::client::Client;
     use rdmad_tests::daemon::{object_counts, Daemon, DaemonOptions};
-    use rdmad_tests::NOBODY;
+    use rdmad_tests::{kernel_verbs_objects, NOBODY};
 
     const CONFIG: &str = "[[pool]]\nname = \"default\"\ncapacity = \"16MiB\"\n\
                           size_classes = [\"4KiB\"]\n";
-
-    /// The kernel's verbs objects per device (`rdma resource show`: pd, cq, qp, mr, ctx …).
-    fn kernel_resources() -> String {
-        let out = std::process::Command::new("rdma")
-            .args(["resource", "show"])
-            .output()
-            .expect("run `rdma resource show` (iproute2)");
-        assert!(out.status.success(), "{out:?}");
-        String::from_utf8(out.stdout).unwrap()
-    }
 
     async fn start(bus: &PrivateBus, provider: &'static str) -> Daemon {
         Daemon::start(
@@ -47,7 +37,7 @@ mod bodies {
         } else {
             "loopback"
         };
-        let kernel_before = (provider == "verbs").then(kernel_resources);
+        let kernel_before = kernel_verbs_objects(provider);
         let bus = PrivateBus::start();
         let mut daemon = start(&bus, provider).await;
         let fresh = object_counts(&bus).await;
@@ -91,7 +81,7 @@ mod bodies {
             assert_eq!(c.ok("read 0 0 14"), "before-restart");
             if let Some(before) = &kernel_before {
                 assert_eq!(
-                    &kernel_resources(),
+                    &kernel_verbs_objects(provider).unwrap(),
                     before,
                     "{signal}: verbs objects of the dead daemon are left in the kernel"
                 );
