@@ -16,11 +16,10 @@
 //! file). The packaged path is covered by the config unit tests, as testing it here would
 //! mean deleting the host's own file.
 //!
-//! Files that are valid TOML for rdmad but name a device the host does not have are found
-//! only when the devices are opened: they stop the start with file, line and key too
-//! (`HOST_FAULTS`), while `--check-config` (which reads the file, not the host) passes them,
-//! and a reload takes them with a warning that `[[device]]`/`[[pool]]` changes need a
-//! restart.
+//! Files that are valid TOML for rdmad but name a device the host does not have
+//! (`HOST_FAULTS`) are found against the host's devices: they stop the start with file,
+//! line and key too, and a reload refuses them like the rest (the next start would), while
+//! `--check-config`, which reads the file and not the host, passes them.
 //!
 //! Tests run as root, so a file without read permission is still readable: "unreadable" here
 //! is a directory, and a file that is not UTF-8.
@@ -496,9 +495,9 @@ async fn devices_the_host_does_not_have_stop_the_start_with_file_line_and_key() 
     assert_name_never_owned(&dbus, &mut changes).await;
 }
 
-/// One daemon, every row written over its file in turn: each `Manager.Reload` is refused
-/// with InvalidArgument naming file, line and key, and the configuration in force stays.
-/// Then a valid file reloads as usual.
+/// One daemon, every row (and every host fault) written over its file in turn: each
+/// `Manager.Reload` is refused with InvalidArgument naming file, line and key, and the
+/// configuration in force stays. Then a valid file reloads as usual.
 #[tokio::test(flavor = "multi_thread")]
 async fn every_invalid_config_is_refused_on_reload_and_the_old_one_stays() {
     let bus = PrivateBus::start();
@@ -530,7 +529,7 @@ async fn every_invalid_config_is_refused_on_reload_and_the_old_one_stays() {
     );
     let path = &daemon.config_path;
 
-    for fault in FAULTS {
+    for fault in FAULTS.iter().chain(HOST_FAULTS) {
         place(path, fault.contents);
         let expected = located(path, fault);
         match manager.reload().await {

@@ -5,7 +5,7 @@ use std::sync::Arc;
 
 use super::EngineError;
 use crate::config::{Config, ConfigError, ProviderChoice};
-use crate::provider::{loopback, verbs, Device, ProtectionDomain, ProviderError};
+use crate::provider::{loopback, verbs, Device, ProtectionDomain, ProviderError, ProviderKind};
 
 /// A device rdmad serves, with the daemon's protection domain on it.
 #[derive(Debug)]
@@ -73,22 +73,8 @@ pub fn open_devices(selection: &DeviceSelection) -> Result<Vec<DeviceEntry>, Eng
     };
 
     let wanted = &selection.config.devices;
-    for (i, dev) in wanted.iter().enumerate() {
-        if !found.iter().any(|d| d.name() == dev.name) {
-            let names: Vec<&str> = found.iter().map(|d| d.name()).collect();
-            return Err(ConfigError {
-                file: selection.config_path.clone(),
-                line: 0,
-                key: format!("device[{i}].name"),
-                message: format!(
-                    "no device named {:?} on this host (found: {})",
-                    dev.name,
-                    names.join(", ")
-                ),
-            }
-            .into());
-        }
-    }
+    let names: Vec<&str> = found.iter().map(|d| d.name()).collect();
+    check_named_devices(&selection.config, &selection.config_path, &names)?;
 
     let mut entries = Vec::new();
     for device in found {
@@ -128,6 +114,59 @@ pub fn open_devices(selection: &DeviceSelection) -> Result<Vec<DeviceEntry>, Eng
         return Err(EngineError::Startup("no device to serve".into()));
     }
     Ok(entries)
+}
+
+/// Checks that every device `config` names is one of `host` (the devices the provider
+/// offers), and that every pool's device is one rdmad would serve. The same check runs at
+/// start, against the devices just opened, and at reload, against [`host_device_names`], so a
+/// reload never accepts a file the next start would refuse. Errors carry the key; their line
+/// is found with [`ConfigError::located`].
+pub fn check_named_devices(config: &Config, path: &Path, host: &[&str]) -> Result<(), ConfigError> {
+    let error = |key: String, message: String| ConfigError {
+        file: path.to_owned(),
+        line: 0,
+        key,
+        message,
+    };
+    for (i, dev) in config.devices.iter().enumerate() {
+        if !host.contains(&dev.name.as_str()) {
+            return Err(error(
+                format!("device[{i}].name"),
+                format!(
+                    "no device named {:?} on this host (found: {})",
+                    dev.name,
+                    host.join(", ")
+                ),
+            ));
+        }
+    }
+    let served = |name: &str| {
+        if config.devices.is_empty() {
+            host.contains(&name)
+        } else {
+            config.device(name).is_some()
+        }
+    };
+    for (i, pool) in config.effective_pools().iter().enumerate() {
+        if let Some(name) = pool.device.as_deref().filter(|name| !served(name)) {
+            return Err(error(
+                format!("pool[{i}].device"),
+                format!("no device named {name:?} is served"),
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// The names of the devices the running provider offers now: a fresh device list for the
+/// verbs provider (a device may have come or gone since the start; if the list cannot be
+/// read, the served ones), the served device for loopback.
+pub fn host_device_names(served: &[DeviceEntry]) -> Vec<String> {
+    let served_names = || served.iter().map(|d| d.device.name().to_owned()).collect();
+    match served.first().map(|d| d.device.provider()) {
+        Some(ProviderKind::Verbs) => verbs::device_names().unwrap_or_else(|_| served_names()),
+        _ => served_names(),
+    }
 }
 
 fn loopback_device() -> Arc<dyn Device> {

@@ -293,9 +293,13 @@ impl Engine {
 
     /// Re-reads the configuration file. On error the configuration in force stays.
     /// Settings that only take effect at start (provider, devices) are reported in the
-    /// returned list so the caller can log that they need a restart.
+    /// returned list so the caller can log that they need a restart; a file naming a device
+    /// the host does not have is refused, as the next start would refuse it.
     pub fn reload(&self) -> Result<(Arc<Config>, Vec<String>), ConfigError> {
         let new = Arc::new(Config::load_or_default(&self.config_path)?);
+        let host = devices::host_device_names(&self.devices);
+        let host: Vec<&str> = host.iter().map(String::as_str).collect();
+        devices::check_named_devices(&new, &self.config_path, &host).map_err(|e| e.located())?;
         let mut slot = self.config.write().unwrap_or_else(|e| e.into_inner());
         let mut needs_restart = Vec::new();
         if new.daemon.provider != slot.daemon.provider
@@ -447,6 +451,29 @@ mod tests {
         std::fs::write(file.path(), "[[device]]\nname = \"loopback0\"\n").unwrap();
         let (_, restart) = engine.reload().unwrap();
         assert_eq!(restart, vec!["[[device]]".to_owned()]);
+        assert_eq!(engine.reload_count(), 2);
+
+        // A device or pool device the host does not have: the next start would refuse it.
+        for (text, line, key) in [
+            (
+                "[quota.default]\nregions = 3\n\n[[device]]\nname = \"mlx5_0\"\n",
+                5,
+                "device[0].name",
+            ),
+            (
+                "[[pool]]\nname = \"p\"\ncapacity = \"1MiB\"\nsize_classes = [\"4KiB\"]\n\
+                 device = \"mlx5_0\"\n",
+                5,
+                "pool[0].device",
+            ),
+        ] {
+            std::fs::write(file.path(), text).unwrap();
+            let err = engine.reload().unwrap_err();
+            assert_eq!((err.line, err.key.as_str()), (line, key), "{err}");
+            assert!(err.message.contains("\"mlx5_0\""), "{err}");
+            assert_eq!(engine.reload_count(), 2);
+            assert_eq!(engine.config().devices[0].name, "loopback0");
+        }
     }
 
     #[test]

@@ -70,6 +70,11 @@ pub fn open_devices() -> Result<Vec<Arc<dyn Device>>> {
     }
 }
 
+/// The names of the RDMA devices the kernel offers now, without opening them.
+pub fn device_names() -> Result<Vec<String>> {
+    Ok(DeviceList::get()?.iter().map(device_name).collect())
+}
+
 /// Opens the device called `name` (`rxe0`, `mlx5_0`).
 pub fn open_device(name: &str) -> Result<VerbsDevice> {
     let list = DeviceList::get()?;
