@@ -95,6 +95,10 @@ struct State {
     last_key: KeyId,
     last_qp: QpId,
     last_export: ExportId,
+    /// Sessions taken out of the registry whose objects are still being released. They
+    /// still count as sessions ([`Registry::counts`]), so that whoever sees the count of
+    /// sessions drop also sees what they held released: provider objects, pool space.
+    releasing: usize,
 }
 
 /// What a teardown removed, so the D-Bus layer can withdraw the objects.
@@ -238,9 +242,34 @@ impl Registry {
         garbage.release();
     }
 
+    /// Sessions (those still being released included), regions and keys.
     pub fn counts(&self) -> (usize, usize, usize) {
         let s = lock(&self.state);
-        (s.sessions.len(), s.regions.len(), s.keys.len())
+        (
+            s.sessions.len() + s.releasing,
+            s.regions.len(),
+            s.keys.len(),
+        )
+    }
+
+    /// Releases what removed sessions held, outside the lock (`s`), counting them as
+    /// sessions until it is done.
+    fn release_sessions(
+        &self,
+        mut s: std::sync::MutexGuard<'_, State>,
+        removed: &Removed,
+        garbage: Garbage,
+    ) {
+        struct Releasing<'a>(&'a Registry, usize);
+        impl Drop for Releasing<'_> {
+            fn drop(&mut self) {
+                lock(&self.0.state).releasing -= self.1;
+            }
+        }
+        s.releasing += removed.sessions.len();
+        drop(s);
+        let _done = Releasing(self, removed.sessions.len());
+        self.release(&removed.qps, garbage);
     }
 
     pub fn qp_count(&self) -> usize {
@@ -296,8 +325,7 @@ impl Registry {
             )));
         }
         let (removed, garbage) = Self::remove_session(&mut s, id);
-        drop(s);
-        self.release(&removed.qps, garbage);
+        self.release_sessions(s, &removed, garbage);
         Ok(removed)
     }
 
@@ -326,8 +354,7 @@ impl Registry {
             all.extend(removed);
             garbage.extend(g);
         }
-        drop(s);
-        self.release(&all.qps, garbage);
+        self.release_sessions(s, &all, garbage);
         all
     }
 
@@ -1181,6 +1208,40 @@ mod tests {
             uid,
             gids: vec![uid],
             pid: None,
+        }
+    }
+
+    /// A session whose connection left counts as a session until everything it held is
+    /// released, so that an observer who sees the count drop (`ObjectCounts`, tests waiting
+    /// for a killed client's session to go) also sees its queue pairs and memory released.
+    #[test]
+    fn a_closing_session_counts_until_its_objects_are_released() {
+        use crate::engine::qp::QpOptions;
+        let (engine, config) = engine_on(ProviderChoice::Loopback, COLD_POOL);
+        let engine = Arc::new(engine);
+        let pool = Arc::clone(engine.pool("p").unwrap());
+        let device = Arc::clone(&engine.devices()[0].device);
+        let baseline = device.object_counts();
+        for round in 0..100 {
+            let alice = caller(1000, ":1.1");
+            let s = engine.registry.open_session(&config, &alice).unwrap();
+            engine
+                .create_qp(&alice, s, "loopback0", QpOptions::default())
+                .unwrap();
+            engine
+                .registry
+                .allocate(&config, &alice, s, &pool, 4096)
+                .unwrap();
+            let closer = {
+                let engine = Arc::clone(&engine);
+                std::thread::spawn(move || engine.registry.close_sessions_of(":1.1"))
+            };
+            while engine.registry.counts().0 != 0 {
+                std::hint::spin_loop();
+            }
+            assert_eq!(device.object_counts(), baseline, "round {round}");
+            assert_eq!(pool.stats().used, 0, "round {round}");
+            closer.join().unwrap();
         }
     }
 

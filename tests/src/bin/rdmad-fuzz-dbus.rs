@@ -1823,16 +1823,35 @@ fn plan(known: &Known, rng: &mut Rng, me: &str) -> Plan {
         .iter()
         .filter(|(_, o)| o.interfaces.contains(&iface_name))
         .collect();
-    let weights: Vec<f64> = iface
-        .methods
-        .iter()
-        .map(|m| method_weight(&iface_name, &m.name))
-        .collect();
-    let method = iface.methods[rng.weighted(&weights)].clone();
     let own: Vec<&(&String, &Object)> = with
         .iter()
         .filter(|(_, o)| o.owner.as_deref() == Some(me))
         .collect();
+    // An export needs a region and a connected queue pair of one connection, a state the
+    // fuzzer reaches rarely: while it lasts, exports are tried more often.
+    let exportable = iface_name == "org.rdmad1.Region"
+        && !own.is_empty()
+        && known.connected.iter().any(|qp| {
+            known
+                .objects
+                .get(qp)
+                .is_some_and(|o| o.owner.as_deref() == Some(me))
+        });
+    let connectable = iface_name == "org.rdmad1.QueuePair"
+        && own.iter().any(|(p, _)| !known.connected.contains(*p));
+    let weights: Vec<f64> = iface
+        .methods
+        .iter()
+        .map(|m| {
+            let boost = match m.name.as_str() {
+                "ExportRemote" if exportable => 8.0,
+                "Connect" if connectable => 3.0,
+                _ => 1.0,
+            };
+            method_weight(&iface_name, &m.name) * boost
+        })
+        .collect();
+    let method = iface.methods[rng.weighted(&weights)].clone();
     // Objects on which the method can succeed: attachments to detach, queue pairs not
     // connected yet.
     let promising: Vec<&(&String, &Object)> = match (iface_name.as_str(), method.name.as_str()) {
