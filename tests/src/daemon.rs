@@ -234,18 +234,25 @@ pub async fn object_counts(bus: &PrivateBus) -> std::collections::HashMap<String
         .expect("ObjectCounts")
 }
 
-/// Waits (on the ObjectManager's `InterfacesRemoved` signals, never by sleeping) until `n`
-/// sessions remain; returns the object counts then.
-pub async fn wait_for_sessions(bus: &PrivateBus, n: u64) -> std::collections::HashMap<String, u64> {
-    let connection = bus.connect().await;
-    let objects = zbus::fdo::ObjectManagerProxy::builder(&connection)
+/// rdmad's `org.freedesktop.DBus.ObjectManager` (on `/org/rdmad1`).
+pub async fn object_manager(
+    connection: &zbus::Connection,
+) -> zbus::fdo::ObjectManagerProxy<'static> {
+    zbus::fdo::ObjectManagerProxy::builder(connection)
         .destination(rdmad_client::BUS_NAME)
         .expect("bus name")
         .path(rdmad_client::MANAGER_PATH)
         .expect("path")
         .build()
         .await
-        .expect("ObjectManager proxy");
+        .expect("ObjectManager proxy")
+}
+
+/// Waits (on the ObjectManager's `InterfacesRemoved` signals, never by sleeping) until `n`
+/// sessions remain; returns the object counts then.
+pub async fn wait_for_sessions(bus: &PrivateBus, n: u64) -> std::collections::HashMap<String, u64> {
+    let connection = bus.connect().await;
+    let objects = object_manager(&connection).await;
     let mut removed = objects
         .receive_interfaces_removed()
         .await

@@ -63,6 +63,16 @@ pub fn kernel_verbs_objects(provider: &str) -> Option<String> {
     Some(String::from_utf8(out.stdout).expect("rdma resource show prints UTF-8"))
 }
 
+/// A D-Bus error name as the fuzzing tables print it: `fdo.UnknownObject` for
+/// `org.freedesktop.DBus.Error.UnknownObject`, `NoSuchObject` for
+/// `org.rdmad1.Error.NoSuchObject`, any other name whole.
+pub fn short_error_name(name: &str) -> String {
+    name.strip_prefix("org.freedesktop.DBus.Error.")
+        .map(|s| format!("fdo.{s}"))
+        .or_else(|| name.strip_prefix("org.rdmad1.Error.").map(str::to_owned))
+        .unwrap_or_else(|| name.to_owned())
+}
+
 /// One body, two tests: `NAME` on the loopback device and `rxe_NAME` on Soft-RoCE (the VM
 /// tier runs `rxe_*`). The bodies live in a module `bodies` of the calling file and take
 /// the provider name (`"loopback"` or `"verbs"`).

@@ -90,14 +90,8 @@ async fn introspection_and_object_manager() {
     ] {
         assert!(xml.contains(needle), "{needle} missing from\n{xml}");
     }
-    let objects = zbus::fdo::ObjectManagerProxy::builder(&connection)
-        .destination(rdmad_client::BUS_NAME)
-        .unwrap()
-        .path(MANAGER_PATH)
-        .unwrap()
-        .build()
+    let objects = rdmad_tests::daemon::object_manager(&connection)
         .await
-        .unwrap()
         .get_managed_objects()
         .await
         .unwrap();

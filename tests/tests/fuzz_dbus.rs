@@ -150,14 +150,7 @@ impl Totals {
         for (label, (calls, ok, errors)) in &self.methods {
             let errors: Vec<String> = errors
                 .iter()
-                .map(|(name, n)| {
-                    let short = name
-                        .strip_prefix("org.freedesktop.DBus.Error.")
-                        .map(|s| format!("fdo.{s}"))
-                        .or_else(|| name.strip_prefix("org.rdmad1.Error.").map(str::to_owned))
-                        .unwrap_or_else(|| name.clone());
-                    format!("{short} {n}")
-                })
+                .map(|(name, n)| format!("{} {n}", rdmad_tests::short_error_name(name)))
                 .collect();
             println!("{label:<52} {calls:>8} {ok:>8}  {}", errors.join(", "));
         }
@@ -453,14 +446,8 @@ async fn objects_made_while_their_session_closes_are_not_left_served() {
 /// Session, region and queue-pair objects still served (`GetManagedObjects`), with their
 /// interfaces.
 async fn stale_objects(connection: &zbus::Connection) -> Vec<String> {
-    let objects = zbus::fdo::ObjectManagerProxy::builder(connection)
-        .destination(rdmad_client::BUS_NAME)
-        .expect("bus name")
-        .path(rdmad_client::MANAGER_PATH)
-        .expect("path")
-        .build()
+    let objects = rdmad_tests::daemon::object_manager(connection)
         .await
-        .expect("ObjectManager proxy")
         .get_managed_objects()
         .await
         .expect("GetManagedObjects");

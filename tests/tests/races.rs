@@ -20,6 +20,9 @@ rdmad_tests::on_both_providers!(
 );
 
 mod bodies {
+    use std::collections::HashMap;
+
+    use rdmad_tests::bus::PrivateBus;
     use rdmad_tests::client::Client;
     use rdmad_tests::daemon::{object_counts, start_on, wait_for_sessions};
     use rdmad_tests::rng::Rng;
@@ -36,6 +39,32 @@ mod bodies {
         "org.freedesktop.DBus.Error.UnknownObject",
         "org.rdmad1.Error.NoSuchObject",
     ];
+
+    /// The daemon's objects and (on rxe0) the kernel's verbs objects, to come back to.
+    struct Baseline {
+        counts: HashMap<String, u64>,
+        kernel: Option<String>,
+    }
+
+    impl Baseline {
+        async fn take(bus: &PrivateBus, provider: &str) -> Baseline {
+            Baseline {
+                counts: object_counts(bus).await,
+                kernel: kernel_verbs_objects(provider),
+            }
+        }
+
+        /// Waits until no session is left, then asserts that both are as they were.
+        async fn assert_back(&self, bus: &PrivateBus, provider: &str, what: &str) {
+            let after = wait_for_sessions(bus, 0).await;
+            assert_eq!(after, self.counts, "{what}: objects");
+            assert_eq!(
+                kernel_verbs_objects(provider),
+                self.kernel,
+                "{what}: the kernel's verbs objects"
+            );
+        }
+    }
 
     fn is_gone(answer: &Value) -> bool {
         GONE.iter().any(|g| answer["error"] == *g)
@@ -73,8 +102,7 @@ mod bodies {
         let (bus, daemon) = start_on(provider, POOL).await;
         let mut admin = Client::start(&bus, None);
         let device = admin.ok("devices")[0]["name"].as_str().unwrap().to_owned();
-        let baseline = object_counts(&bus).await;
-        let kernel = kernel_verbs_objects(provider);
+        let baseline = Baseline::take(&bus, provider).await;
         // (quota key, its limit, what each client does first, what it races with, how often)
         let alloc64 = "alloc default 65536".to_owned();
         let phases: [(&str, String, &[&str], String, usize); 5] = [
@@ -155,13 +183,9 @@ mod bodies {
             for c in &mut clients {
                 c.kill();
             }
-            let after = wait_for_sessions(&bus, 0).await;
-            assert_eq!(after, baseline, "{quota}: objects after the clients died");
-            assert_eq!(
-                kernel_verbs_objects(provider),
-                kernel,
-                "{quota}: the kernel's verbs objects after the clients died"
-            );
+            baseline
+                .assert_back(&bus, provider, &format!("{quota}: after the clients died"))
+                .await;
         }
     }
 
@@ -176,8 +200,7 @@ mod bodies {
         let _alone = ALONE.lock().await;
         let mut rng = Rng::new(seed());
         let (bus, _daemon) = start_on(provider, POOL).await;
-        let baseline = object_counts(&bus).await;
-        let kernel = kernel_verbs_objects(provider);
+        let baseline = Baseline::take(&bus, provider).await;
         let mut admin = Client::start(&bus, None);
         let device = admin.ok("devices")[0]["name"].as_str().unwrap().to_owned();
         let dead_key = [
@@ -296,11 +319,14 @@ mod bodies {
             }
             let counts = object_counts(&bus).await;
             assert_eq!(counts["keys"], 0, "round {round}: {counts:?}");
-            assert_eq!(counts["mws"], baseline["mws"], "round {round}: {counts:?}");
+            assert_eq!(
+                counts["mws"], baseline.counts["mws"],
+                "round {round}: {counts:?}"
+            );
             // The peer's region alone is left of the round's regions.
             assert_eq!(
                 counts["regions"],
-                baseline["regions"] + 1,
+                baseline.counts["regions"] + 1,
                 "round {round}: {counts:?}"
             );
 
@@ -310,13 +336,9 @@ mod bodies {
             {
                 c.kill();
             }
-            let after = wait_for_sessions(&bus, 0).await;
-            assert_eq!(after, baseline, "round {round}: objects after the round");
-            assert_eq!(
-                kernel_verbs_objects(provider),
-                kernel,
-                "round {round}: the kernel's verbs objects after the round"
-            );
+            baseline
+                .assert_back(&bus, provider, &format!("round {round}: after the round"))
+                .await;
         }
         println!("outcomes over {ROUNDS} rounds: {outcomes:?}");
     }

@@ -268,14 +268,7 @@ mod bodies {
         let (bus, _d) = start_on(provider, COLD).await;
         let baseline = object_counts(&bus).await;
         let connection = bus.connect().await;
-        let objects = zbus::fdo::ObjectManagerProxy::builder(&connection)
-            .destination(rdmad_client::BUS_NAME)
-            .unwrap()
-            .path(rdmad_client::MANAGER_PATH)
-            .unwrap()
-            .build()
-            .await
-            .unwrap();
+        let objects = rdmad_tests::daemon::object_manager(&connection).await;
         let mut removed = objects.receive_interfaces_removed().await.unwrap();
 
         let mut victim = Client::start(&bus, Some(NOBODY));

@@ -74,17 +74,12 @@ impl Engine {
         let devices = open_devices(&selection)?;
         let refill = Arc::new(pool::Refill::default());
         let mut pools = Vec::new();
-        for (i, pool_config) in config.effective_pools().into_iter().enumerate() {
+        for pool_config in config.effective_pools() {
             let entry = match &pool_config.device {
                 Some(name) => devices
                     .iter()
                     .find(|d| d.device.name() == name)
-                    .ok_or_else(|| ConfigError {
-                        file: config_path.clone(),
-                        line: 0,
-                        key: format!("pool[{i}].device"),
-                        message: format!("no device named {name:?} is served"),
-                    })?,
+                    .expect("open_devices checked that every pool's device is served"),
                 None => &devices[0],
             };
             pools.push(Arc::new(Pool::new(

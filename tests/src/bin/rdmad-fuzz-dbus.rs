@@ -1154,6 +1154,17 @@ impl Gen<'_> {
         ObjectPath::try_from(p).unwrap_or_else(|_| ObjectPath::from_static_str_unchecked("/"))
     }
 
+    /// An id (of a key, of an export) this process was given: mostly one of the region
+    /// being called (`of_region`), else any it saw.
+    fn known_id(&mut self, of_region: &HashMap<String, Vec<u64>>, seen: &Seen<u64>) -> Option<u64> {
+        if let Some(ids) = of_region.get(&self.path) {
+            if self.rng.chance(0.7) {
+                return Some(*self.rng.pick(ids));
+            }
+        }
+        seen.pick(self.rng)
+    }
+
     fn endpoint(&mut self) -> Value<'static> {
         let (gid, gi, qpn, psn, mtu, lid) = match self.known.endpoints.pick(self.rng) {
             Some(e) if self.rng.chance(0.75) => e,
@@ -1316,22 +1327,14 @@ impl Gen<'_> {
                 })
             }
             ("key_id", Signature::U64) if biased => {
-                if let Some(ids) = self.known.region_keys.get(&self.path) {
-                    if self.rng.chance(0.7) {
-                        return Value::U64(*self.rng.pick(ids));
-                    }
-                }
-                if let Some(id) = self.known.key_ids.pick(self.rng) {
+                let known = self.known;
+                if let Some(id) = self.known_id(&known.region_keys, &known.key_ids) {
                     return Value::U64(id);
                 }
             }
             ("export_id", Signature::U64) if biased => {
-                if let Some(ids) = self.known.region_exports.get(&self.path) {
-                    if self.rng.chance(0.7) {
-                        return Value::U64(*self.rng.pick(ids));
-                    }
-                }
-                if let Some(id) = self.known.export_ids.pick(self.rng) {
+                let known = self.known;
+                if let Some(id) = self.known_id(&known.region_exports, &known.export_ids) {
                     return Value::U64(id);
                 }
             }
@@ -2380,14 +2383,7 @@ fn report(shared: &Shared, elapsed: f64) {
             let errors: Vec<String> = s
                 .errors
                 .iter()
-                .map(|(name, n)| {
-                    let short = name
-                        .strip_prefix("org.freedesktop.DBus.Error.")
-                        .map(|s| format!("fdo.{s}"))
-                        .or_else(|| name.strip_prefix("org.rdmad1.Error.").map(str::to_owned))
-                        .unwrap_or_else(|| name.clone());
-                    format!("{short} {n}")
-                })
+                .map(|(name, n)| format!("{} {n}", rdmad_tests::short_error_name(name)))
                 .collect();
             println!(
                 "{label:<52} {:>7} {:>7} {:>7}  {}",
