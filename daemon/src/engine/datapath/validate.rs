@@ -44,9 +44,26 @@ pub struct Refusal {
     pub detail: u32,
 }
 
-/// Checks and translates `s`. `wr_id` is the daemon's own id for the request (the client's
-/// stays in the daemon's bookkeeping).
-pub fn check(s: &Submission, rights: &RegionRights, wr_id: u64) -> Result<Checked, Refusal> {
+/// The detail of an `InvalidEntry` refusal for a request with more SGEs than its queue pair
+/// takes (its `max_sge` option): the ring format allows four, the QP may take fewer, and
+/// the device would refuse the whole batch the request is posted in.
+pub const TOO_MANY_SGES: u32 = 2;
+
+/// Checks and translates `s`, for a queue pair that takes at most `max_sge` SGEs per
+/// request. `wr_id` is the daemon's own id for the request (the client's stays in the
+/// daemon's bookkeeping).
+pub fn check(
+    s: &Submission,
+    rights: &RegionRights,
+    max_sge: u32,
+    wr_id: u64,
+) -> Result<Checked, Refusal> {
+    if s.sges.len() > max_sge as usize {
+        return Err(Refusal {
+            status: Status::InvalidEntry,
+            detail: TOO_MANY_SGES,
+        });
+    }
     let device_writes = matches!(
         s.opcode,
         Opcode::Read | Opcode::FetchAdd | Opcode::CompareSwap | Opcode::Recv
@@ -168,6 +185,7 @@ mod tests {
         let c = check(
             &sub(Opcode::Send, &[(1, 100, 8), (2, 8000, 192)]),
             &rights,
+            4,
             42,
         )
         .unwrap();
@@ -201,28 +219,65 @@ mod tests {
             (sub(Opcode::Send, &[(1, u64::MAX, 8)]), 0),
             (sub(Opcode::Write, &[(1, 4096, 4097)]), 0),
         ] {
-            assert_eq!(check(&s, &rights, 1).map(|_| ()), denied(detail), "{s:?}");
+            assert_eq!(
+                check(&s, &rights, 4, 1).map(|_| ()),
+                denied(detail),
+                "{s:?}"
+            );
         }
     }
 
     #[test]
     fn read_only_attachments_are_only_sources() {
         let (rights, _mrs) = rights();
-        assert!(check(&sub(Opcode::Send, &[(2, 0, 8)]), &rights, 1).is_ok());
-        assert!(check(&sub(Opcode::Write, &[(2, 0, 8)]), &rights, 1).is_ok());
+        assert!(check(&sub(Opcode::Send, &[(2, 0, 8)]), &rights, 4, 1).is_ok());
+        assert!(check(&sub(Opcode::Write, &[(2, 0, 8)]), &rights, 4, 1).is_ok());
         for op in [
             Opcode::Recv,
             Opcode::Read,
             Opcode::FetchAdd,
             Opcode::CompareSwap,
         ] {
-            let r = check(&sub(op, &[(2, 0, 8)]), &rights, 1);
+            let r = check(&sub(op, &[(2, 0, 8)]), &rights, 4, 1);
             assert_eq!(
                 r.map(|_| ()).unwrap_err().status,
                 Status::RegionAccessDenied,
                 "{op:?}"
             );
-            assert!(check(&sub(op, &[(1, 0, 8)]), &rights, 1).is_ok(), "{op:?}");
+            assert!(
+                check(&sub(op, &[(1, 0, 8)]), &rights, 4, 1).is_ok(),
+                "{op:?}"
+            );
         }
+    }
+
+    /// A queue pair created with `max_sge` N takes requests of up to N SGEs; one with more
+    /// is refused before the device sees it (the device would refuse the whole batch), on
+    /// either queue, as `InvalidEntry` with the detail `TOO_MANY_SGES`.
+    #[test]
+    fn more_sges_than_the_queue_pairs_max_sge_are_refused() {
+        let (rights, _mrs) = rights();
+        let two = [(1, 0, 8), (1, 8, 8)];
+        let three = [(1, 0, 8), (1, 8, 8), (1, 16, 8)];
+        for op in [Opcode::Send, Opcode::Write, Opcode::Read, Opcode::Recv] {
+            for max_sge in [2, 3, 4] {
+                assert!(check(&sub(op, &two), &rights, max_sge, 1).is_ok(), "{op:?}");
+            }
+            for max_sge in [1, 2] {
+                assert_eq!(
+                    check(&sub(op, &three), &rights, max_sge, 1).map(|_| ()),
+                    Err(Refusal {
+                        status: Status::InvalidEntry,
+                        detail: TOO_MANY_SGES,
+                    }),
+                    "{op:?}, max_sge {max_sge}"
+                );
+            }
+            assert!(check(&sub(op, &three), &rights, 3, 1).is_ok(), "{op:?}");
+        }
+        assert!(
+            check(&sub(Opcode::Send, &[]), &rights, 1, 1).is_ok(),
+            "no SGE at all is a zero-length request"
+        );
     }
 }

@@ -185,7 +185,7 @@ impl QpState {
                 continue;
             }
             let wr = self.next_wr;
-            match validate::check(&sub, rights, wr) {
+            match validate::check(&sub, rights, self.record.options.max_sge, wr) {
                 Ok(checked) => {
                     self.next_wr += 1;
                     match checked.work {
