@@ -6,7 +6,10 @@
 //!
 //! - **Keys.** One table maps MR keys (lkey = rkey) to registrations; another maps memory
 //!   window table indices to the window's current binding. Both kinds of key are
-//!   `index << 8 | variant byte`, drawn from one index counter, so they never collide.
+//!   `index << 8 | variant byte`, drawn from one 24-bit index space ([`KeyIndices`]), so
+//!   they never collide: an index is never handed out while an object with that index
+//!   lives, and one handed out again after a full turn of the counter gets another variant
+//!   byte, so a stale key does not reach the new object.
 //! - **Data path.** Work requests run synchronously: `post_send` appends to the send queue
 //!   and then runs the queue as far as it can under the device's *execution lock*
 //!   ([`Shared::exec`]). Everything that consumes a queue or produces a completion (running a
@@ -30,7 +33,7 @@ mod qp;
 #[cfg(test)]
 mod tests;
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::net::Ipv6Addr;
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, Weak};
@@ -125,20 +128,87 @@ struct Shared {
     qps: Mutex<HashMap<u32, Weak<qp::QpInner>>>,
     /// The execution lock (see the module documentation).
     exec: Mutex<()>,
-    next_index: AtomicU32,
+    /// Key-table indices of MRs and windows (a leaf lock).
+    indices: Mutex<KeyIndices>,
     next_qpn: AtomicU32,
     next_id: AtomicU64,
 }
 
-impl Shared {
-    /// A fresh key-table index (24 bits, never 0).
-    fn alloc_index(&self) -> u32 {
+/// The highest key-table index: keys carry 24 bits of index above a variant byte.
+const LAST_INDEX: u32 = 0x00ff_ffff;
+
+/// The device's key-table indices, handed out in turn like rxe's pool indices (which wrap
+/// after 2^24), but never one an MR or window still holds: an index is taken until its
+/// object is gone (a registration until it is really deregistered), so a new object never
+/// overwrites a live key.
+#[derive(Debug)]
+struct KeyIndices {
+    /// The next index to try, from 1 to `last`.
+    next: u32,
+    last: u32,
+    /// Full turns of the counter (wrapping): part of the variant byte, so an index handed
+    /// out again makes a key other than the one its previous object had (for 256 turns).
+    turn: u32,
+    live: HashSet<u32>,
+}
+
+impl KeyIndices {
+    fn new(next: u32, last: u32) -> KeyIndices {
+        KeyIndices {
+            next: next.clamp(1, last),
+            last,
+            turn: 0,
+            live: HashSet::new(),
+        }
+    }
+
+    /// A free index and the turn it was handed out in, or `None` when every index is
+    /// taken.
+    fn take(&mut self) -> Option<(u32, u32)> {
+        if self.live.len() >= self.last as usize {
+            return None;
+        }
         loop {
-            let index = self.next_index.fetch_add(1, Ordering::Relaxed) & 0x00ff_ffff;
-            if index != 0 {
-                return index;
+            let (index, turn) = (self.next, self.turn);
+            if self.next == self.last {
+                self.next = 1;
+                self.turn = self.turn.wrapping_add(1);
+            } else {
+                self.next += 1;
+            }
+            if self.live.insert(index) {
+                return Some((index, turn));
             }
         }
+    }
+
+    fn give_back(&mut self, index: u32) {
+        self.live.remove(&index);
+    }
+}
+
+/// A key as rxe makes one: the table index in the upper 24 bits, a variant byte below
+/// (`salt` keeps MR and window keys of one index apart; the turn changes it every time the
+/// index is handed out again).
+fn make_key(index: u32, turn: u32, salt: u32) -> u32 {
+    (index << 8)
+        | (index
+            .wrapping_mul(salt)
+            .wrapping_add(turn.wrapping_mul(0x5d))
+            & 0xff)
+}
+
+impl Shared {
+    /// A free key-table index and its turn, or the device's ENOMEM when every index is
+    /// taken.
+    fn alloc_index(&self, operation: &'static str) -> Result<(u32, u32)> {
+        lock(&self.indices)
+            .take()
+            .ok_or_else(|| out_of_resources(&self.name, operation))
+    }
+
+    fn free_index(&self, index: u32) {
+        lock(&self.indices).give_back(index);
     }
 
     fn next_id(&self) -> u64 {
@@ -177,6 +247,17 @@ pub struct LoopbackDevice {
 
 impl LoopbackDevice {
     pub fn new(name: &str) -> LoopbackDevice {
+        LoopbackDevice::with_indices(name, KeyIndices::new(1, LAST_INDEX))
+    }
+
+    /// A device whose key-table indices start at `next` and end at `last` (tests: near the
+    /// wrap, or a space small enough to fill).
+    #[cfg(test)]
+    fn with_key_indices(name: &str, next: u32, last: u32) -> LoopbackDevice {
+        LoopbackDevice::with_indices(name, KeyIndices::new(next, last.min(LAST_INDEX)))
+    }
+
+    fn with_indices(name: &str, indices: KeyIndices) -> LoopbackDevice {
         LoopbackDevice {
             shared: Arc::new(Shared {
                 name: name.to_owned(),
@@ -185,7 +266,7 @@ impl LoopbackDevice {
                 windows: Mutex::default(),
                 qps: Mutex::default(),
                 exec: Mutex::default(),
-                next_index: AtomicU32::new(1),
+                indices: Mutex::new(indices),
                 // rxe hands out QP numbers from 17 up (0 and 1 are the special QPs).
                 next_qpn: AtomicU32::new(0x11),
                 next_id: AtomicU64::new(1),
@@ -334,9 +415,8 @@ impl ProtectionDomain for LoopbackPd {
         if device.counters.snapshot().mrs >= u64::from(MAX_MR) {
             return Err(out_of_resources(name, "ibv_reg_mr"));
         }
-        // Keys as rxe makes them: a table index in the upper 24 bits, a variant byte below.
-        let index = device.alloc_index();
-        let key = (index << 8) | (index.wrapping_mul(0x9e) & 0xff);
+        let (index, turn) = device.alloc_index("ibv_reg_mr")?;
+        let key = make_key(index, turn, 0x9e);
         let registration = Registration {
             addr: memory.addr(),
             len: memory.len() as u64,
@@ -359,10 +439,10 @@ impl ProtectionDomain for LoopbackPd {
         if device.counters.snapshot().mws >= u64::from(MAX_MW) {
             return Err(out_of_resources(&device.name, "ibv_alloc_mw"));
         }
-        let index = device.alloc_index();
+        let (index, turn) = device.alloc_index("ibv_alloc_mw")?;
         // rxe: `(index << 8) | rxe_get_next_key(-1)`; type 1 starts VALID with length 0,
         // type 2 starts FREE — either way no access until bound.
-        let rkey = (index << 8) | (index.wrapping_mul(0x3b) & 0xff);
+        let rkey = make_key(index, turn, 0x3b);
         lock(&device.windows).insert(
             index,
             WindowEntry {
@@ -427,6 +507,7 @@ impl Drop for LoopbackMr {
         // windows; a drop cannot fail, so here the windows die with it instead.)
         let removed = lock(&self.pd.device.translations).remove(&self.key);
         drop(removed);
+        self.pd.device.free_index(self.key >> 8);
     }
 }
 
@@ -460,5 +541,6 @@ impl Drop for LoopbackMw {
     fn drop(&mut self) {
         // Deallocation invalidates: the rkey stops resolving at once.
         lock(&self.pd.device.windows).remove(&self.index);
+        self.pd.device.free_index(self.index);
     }
 }

@@ -938,3 +938,81 @@ fn counts_are_exact_whatever_the_drop_order() {
     drop(a);
     assert_eq!(dev.object_counts(), ObjectCounts::default());
 }
+
+/// Key-table indices wrap (24 bits, as rxe's) without ever handing out one a live MR or
+/// window still holds — before, the counter wrapped onto live keys and a new registration
+/// replaced an old one's translation, so the old key reached the new memory. With every
+/// index taken, registering and allocating windows fail with ENOMEM, and an index handed
+/// out again makes a new key: the dead object's key reaches nothing.
+#[test]
+fn key_indices_wrap_around_live_keys() {
+    let register = |pd: &Arc<dyn ProtectionDomain>| {
+        let mem = Arc::new(SharedMemory::create(c"wrap", 4096).unwrap());
+        pd.register(mem, Access::LOCAL_WRITE)
+    };
+    let resolves = |dev: &LoopbackDevice, mr: &Arc<dyn MemoryRegion>, key: u32| {
+        dev.check_local_access(key, mr.addr(), 4096, Access::LOCAL_WRITE)
+            .is_ok()
+    };
+
+    // The real 24-bit space, two indices before the wrap: index 0 is never used.
+    let dev = LoopbackDevice::with_key_indices("lo-wrap24", LAST_INDEX - 1, LAST_INDEX);
+    let pd = dev.alloc_pd().unwrap();
+    let mrs: Vec<_> = (0..3).map(|_| register(&pd).unwrap()).collect();
+    let indices: Vec<u32> = mrs.iter().map(|mr| mr.lkey() >> 8).collect();
+    assert_eq!(indices, [LAST_INDEX - 1, LAST_INDEX, 1]);
+
+    // A space of 8 indices, starting two before its end: MRs and windows share it.
+    let dev = LoopbackDevice::with_key_indices("lo-wrap8", 7, 8);
+    let pd = dev.alloc_pd().unwrap();
+    let mut mrs: Vec<Arc<dyn MemoryRegion>> = Vec::new();
+    let mut mws: Vec<Arc<dyn MemoryWindow>> = Vec::new();
+    for i in 0..8 {
+        if i % 3 == 1 {
+            mws.push(pd.alloc_mw(MwType::Type2).unwrap());
+        } else {
+            mrs.push(register(&pd).unwrap());
+        }
+    }
+    let mut taken: Vec<u32> = mrs
+        .iter()
+        .map(|mr| mr.lkey() >> 8)
+        .chain(mws.iter().map(|mw| mw.rkey() >> 8))
+        .collect();
+    taken.sort_unstable();
+    assert_eq!(taken, (1..=8).collect::<Vec<_>>());
+    assert!(is_enomem(register(&pd)), "every index is taken");
+    assert!(is_enomem(pd.alloc_mw(MwType::Type2)));
+
+    // Free one MR and one window: exactly their indices come back, with new keys.
+    let dead_mr = mrs.remove(1);
+    let dead_mr_key = dead_mr.lkey();
+    let dead_mw_key = mws[0].rkey();
+    drop(dead_mr);
+    drop(mws.remove(0));
+    let again = register(&pd).unwrap();
+    let window = pd.alloc_mw(MwType::Type2).unwrap();
+    let mut reused = [again.lkey() >> 8, window.rkey() >> 8];
+    reused.sort_unstable();
+    let mut freed = [dead_mr_key >> 8, dead_mw_key >> 8];
+    freed.sort_unstable();
+    assert_eq!(reused, freed, "only the freed indices are handed out again");
+    for key in [again.lkey(), window.rkey()] {
+        assert!(
+            key != dead_mr_key && key != dead_mw_key,
+            "{key:#x}: an index handed out again makes a new key"
+        );
+    }
+    assert!(
+        !resolves(&dev, &again, dead_mr_key),
+        "the dead key reaches nothing"
+    );
+    assert!(resolves(&dev, &again, again.lkey()));
+    for mr in &mrs {
+        assert!(
+            resolves(&dev, mr, mr.lkey()),
+            "live keys still reach their own memory"
+        );
+    }
+    assert!(is_enomem(register(&pd)));
+}
