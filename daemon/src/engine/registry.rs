@@ -15,7 +15,7 @@ use crate::config::{Config, QuotaKind};
 use crate::lock::lock;
 use crate::policy::keys::{self, KeyDigest};
 use crate::policy::quota::{self, Usage};
-use crate::policy::{self, Caller};
+use crate::policy::{self, lookups, Caller};
 use crate::provider::MemoryRegion;
 
 pub type SessionId = u64;
@@ -224,7 +224,36 @@ impl std::fmt::Debug for Registry {
     }
 }
 
+/// The registry's state, locked. While it is held, user and group lookups (NSS, which may
+/// block on a directory server) are a bug, checked in debug builds: see
+/// [`crate::policy::lookups`].
+struct Locked<'a> {
+    // Field order is drop order: the lock is released, then lookups are allowed again.
+    state: std::sync::MutexGuard<'a, State>,
+    _no_lookups: lookups::Forbidden,
+}
+
+impl std::ops::Deref for Locked<'_> {
+    type Target = State;
+    fn deref(&self) -> &State {
+        &self.state
+    }
+}
+
+impl std::ops::DerefMut for Locked<'_> {
+    fn deref_mut(&mut self) -> &mut State {
+        &mut self.state
+    }
+}
+
 impl Registry {
+    fn lock(&self) -> Locked<'_> {
+        Locked {
+            state: lock(&self.state),
+            _no_lookups: lookups::forbid(),
+        }
+    }
+
     /// Sets who hears of removed queue pairs (once).
     pub fn set_qp_listener(&self, listener: QpListener) {
         if self.qp_listener.set(listener).is_err() {
@@ -244,7 +273,7 @@ impl Registry {
 
     /// Sessions (those still being released included), regions and keys.
     pub fn counts(&self) -> (usize, usize, usize) {
-        let s = lock(&self.state);
+        let s = self.lock();
         (
             s.sessions.len() + s.releasing,
             s.regions.len(),
@@ -254,16 +283,11 @@ impl Registry {
 
     /// Releases what removed sessions held, outside the lock (`s`), counting them as
     /// sessions until it is done.
-    fn release_sessions(
-        &self,
-        mut s: std::sync::MutexGuard<'_, State>,
-        removed: &Removed,
-        garbage: Garbage,
-    ) {
+    fn release_sessions(&self, mut s: Locked<'_>, removed: &Removed, garbage: Garbage) {
         struct Releasing<'a>(&'a Registry, usize);
         impl Drop for Releasing<'_> {
             fn drop(&mut self) {
-                lock(&self.0.state).releasing -= self.1;
+                self.0.lock().releasing -= self.1;
             }
         }
         s.releasing += removed.sessions.len();
@@ -273,21 +297,17 @@ impl Registry {
     }
 
     pub fn qp_count(&self) -> usize {
-        lock(&self.state).qps.len()
+        self.lock().qps.len()
     }
 
     /// Live usage of `uid` (zero when it holds nothing).
     pub fn usage(&self, uid: u32) -> Usage {
-        lock(&self.state)
-            .usage
-            .get(&uid)
-            .copied()
-            .unwrap_or_default()
+        self.lock().usage.get(&uid).copied().unwrap_or_default()
     }
 
     pub fn open_session(&self, config: &Config, caller: &Caller) -> Result<SessionId, EngineError> {
         let limits = quota::limits_for(config, caller.uid, &caller.gids);
-        let mut s = lock(&self.state);
+        let mut s = self.lock();
         let usage = s.usage.entry(caller.uid).or_default();
         quota::check(&limits, usage, QuotaKind::Sessions, 1)?;
         usage.add(QuotaKind::Sessions, 1);
@@ -314,12 +334,13 @@ impl Registry {
         caller: &Caller,
         id: SessionId,
     ) -> Result<Removed, EngineError> {
-        let mut s = lock(&self.state);
+        let admin = policy::is_admin(caller, config);
+        let mut s = self.lock();
         let session = s
             .sessions
             .get(&id)
             .ok_or(EngineError::NoSuchObject(format!("session {id}")))?;
-        if session.owner.uid != caller.uid && !policy::is_admin(caller, config) {
+        if session.owner.uid != caller.uid && !admin {
             return Err(not_authorized(format!(
                 "session {id} belongs to another user; only its owner or an administrator may close it"
             )));
@@ -340,7 +361,7 @@ impl Registry {
     }
 
     fn close_where(&self, pick: impl Fn(&Session) -> bool) -> Removed {
-        let mut s = lock(&self.state);
+        let mut s = self.lock();
         let ids: Vec<SessionId> = s
             .sessions
             .iter()
@@ -464,7 +485,7 @@ impl Registry {
         let rounded = pool.round(size)?;
         let limits = quota::limits_for(config, caller.uid, &caller.gids);
         {
-            let mut s = lock(&self.state);
+            let mut s = self.lock();
             Self::own_session(&mut s, caller, session)?;
             let usage = s.usage.entry(caller.uid).or_default();
             quota::check(&limits, usage, QuotaKind::Regions, 1)?;
@@ -473,7 +494,7 @@ impl Registry {
             usage.add(QuotaKind::RegisteredBytes, rounded);
         }
         let unreserve = |registry: &Registry| {
-            let mut s = lock(&registry.state);
+            let mut s = registry.lock();
             if let Some(usage) = s.usage.get_mut(&caller.uid) {
                 usage.sub(QuotaKind::Regions, 1);
                 usage.sub(QuotaKind::RegisteredBytes, rounded);
@@ -498,7 +519,7 @@ impl Registry {
                 )));
             }
         };
-        let mut s = lock(&self.state);
+        let mut s = self.lock();
         // The session may have been closed while the region was being made.
         if Self::own_session(&mut s, caller, session).is_err() {
             drop(s);
@@ -561,7 +582,7 @@ impl Registry {
     /// Frees a region: its keys die, its attachments end, its registration is dropped and
     /// its memory is never handed out again.
     pub fn free(&self, caller: &Caller, id: RegionId) -> Result<(), EngineError> {
-        let mut s = lock(&self.state);
+        let mut s = self.lock();
         Self::own_region(&s, caller, id)?;
         let garbage = Self::remove_region(&mut s, id);
         drop(s);
@@ -589,7 +610,7 @@ impl Registry {
             })?),
             None => None,
         };
-        let mut s = lock(&self.state);
+        let mut s = self.lock();
         Self::own_region(&s, caller, id)?;
         Self::purge_expired(&mut s);
         let usage = s.usage.entry(caller.uid).or_default();
@@ -617,13 +638,14 @@ impl Registry {
 
     /// Revokes a key: its region's owner or an administrator may. Live attachments stay.
     pub fn revoke(&self, config: &Config, caller: &Caller, key: KeyId) -> Result<(), EngineError> {
-        let mut s = lock(&self.state);
+        let admin = policy::is_admin(caller, config);
+        let mut s = self.lock();
         let k = s
             .keys
             .get(&key)
             .ok_or(EngineError::NoSuchObject(format!("key {key}")))?;
         let region = k.region;
-        if !policy::is_admin(caller, config) {
+        if !admin {
             Self::own_region(&s, caller, region)?;
         }
         Self::remove_key(&mut s, key);
@@ -669,21 +691,18 @@ impl Registry {
             )));
         }
         let digest = KeyDigest::of(token);
-        let mut s = lock(&self.state);
-        Self::own_session(&mut s, caller, session)?;
-        Self::purge_expired(&mut s);
-        let invalid = || {
-            not_authorized(
-                "the access key is not valid (unknown, revoked, expired, or its region was freed)",
-            )
+        // The pool's access list may need the caller's user and groups looked up: that is
+        // done with the lock released, and the key looked up again afterwards.
+        let pool = {
+            let mut s = self.lock();
+            let (region, _) = Self::key_grant(&mut s, caller, session, &digest)?;
+            Arc::clone(&s.regions[&region].pool)
         };
-        let (region_id, access) = s
-            .keys
-            .values()
-            .find(|k| k.digest.matches(&digest))
-            .map(|k| (k.region, k.access))
-            .ok_or_else(invalid)?;
-        let region = s.regions.get(&region_id).ok_or_else(invalid)?;
+        check_pool_access(&pool, caller)?;
+        let mut s = self.lock();
+        let (region_id, access) = Self::key_grant(&mut s, caller, session, &digest)?;
+        // A key always grants the same region, so the pool checked above is this one's.
+        let region = &s.regions[&region_id];
         if region.session == session {
             return Err(EngineError::InvalidArgument(format!(
                 "region {region_id} belongs to this session already"
@@ -694,7 +713,6 @@ impl Registry {
                 "region {region_id} is attached to this session already"
             )));
         }
-        check_pool_access(&region.pool, caller)?;
         let fd = match access {
             AttachMode::ReadWrite => region.mr.memory().fd().try_clone_to_owned(),
             AttachMode::ReadOnly => reopen_read_only(region.mr.memory().fd()),
@@ -719,9 +737,36 @@ impl Registry {
         })
     }
 
+    /// The region and access a token's digest grants to `session` (the caller's own), with
+    /// expired keys purged first.
+    fn key_grant(
+        s: &mut State,
+        caller: &Caller,
+        session: SessionId,
+        digest: &KeyDigest,
+    ) -> Result<(RegionId, AttachMode), EngineError> {
+        Self::own_session(s, caller, session)?;
+        Self::purge_expired(s);
+        let invalid = || {
+            not_authorized(
+                "the access key is not valid (unknown, revoked, expired, or its region was freed)",
+            )
+        };
+        let (region, access) = s
+            .keys
+            .values()
+            .find(|k| k.digest.matches(digest))
+            .map(|k| (k.region, k.access))
+            .ok_or_else(invalid)?;
+        if !s.regions.contains_key(&region) {
+            return Err(invalid());
+        }
+        Ok((region, access))
+    }
+
     /// Ends the caller's attachment of a region.
     pub fn detach(&self, caller: &Caller, id: RegionId) -> Result<(), EngineError> {
-        let mut s = lock(&self.state);
+        let mut s = self.lock();
         let region = s
             .regions
             .get(&id)
@@ -770,7 +815,7 @@ impl Registry {
     /// Sessions the caller may see: its user's, or all for an administrator.
     pub fn sessions(&self, config: &Config, caller: &Caller) -> Vec<SessionInfo> {
         let admin = policy::is_admin(caller, config);
-        let s = lock(&self.state);
+        let s = self.lock();
         s.sessions
             .iter()
             .filter(|(_, x)| admin || x.owner.uid == caller.uid)
@@ -784,12 +829,13 @@ impl Registry {
         caller: &Caller,
         id: SessionId,
     ) -> Result<SessionInfo, EngineError> {
-        let s = lock(&self.state);
+        let admin = policy::is_admin(caller, config);
+        let s = self.lock();
         let x = s
             .sessions
             .get(&id)
             .ok_or(EngineError::NoSuchObject(format!("session {id}")))?;
-        if x.owner.uid != caller.uid && !policy::is_admin(caller, config) {
+        if x.owner.uid != caller.uid && !admin {
             return Err(not_authorized(format!(
                 "session {id} belongs to another user"
             )));
@@ -836,7 +882,7 @@ impl Registry {
     /// administrator.
     pub fn regions(&self, config: &Config, caller: &Caller) -> Vec<RegionInfo> {
         let admin = policy::is_admin(caller, config);
-        let s = lock(&self.state);
+        let s = self.lock();
         s.regions
             .iter()
             .filter(|(_, r)| Self::may_see_region(&s, r, caller, admin))
@@ -851,7 +897,7 @@ impl Registry {
         id: RegionId,
     ) -> Result<RegionInfo, EngineError> {
         let admin = policy::is_admin(caller, config);
-        let s = lock(&self.state);
+        let s = self.lock();
         let r = s
             .regions
             .get(&id)
@@ -875,14 +921,14 @@ impl Registry {
     ) -> Result<(QpId, Arc<QueuePairRecord>), EngineError> {
         let limits = quota::limits_for(config, caller.uid, &caller.gids);
         {
-            let mut s = lock(&self.state);
+            let mut s = self.lock();
             Self::own_session(&mut s, caller, session)?;
             let usage = s.usage.entry(caller.uid).or_default();
             quota::check(&limits, usage, QuotaKind::Qps, 1)?;
             usage.add(QuotaKind::Qps, 1);
         }
         let unreserve = |registry: &Registry| {
-            let mut s = lock(&registry.state);
+            let mut s = registry.lock();
             if let Some(usage) = s.usage.get_mut(&caller.uid) {
                 usage.sub(QuotaKind::Qps, 1);
             }
@@ -895,7 +941,7 @@ impl Registry {
                 return Err(e);
             }
         };
-        let mut s = lock(&self.state);
+        let mut s = self.lock();
         if Self::own_session(&mut s, caller, session).is_err() {
             drop(s);
             unreserve(self);
@@ -916,7 +962,7 @@ impl Registry {
 
     /// A queue pair, if the caller's connection owns it.
     pub fn own_qp(&self, caller: &Caller, id: QpId) -> Result<Arc<QueuePairRecord>, EngineError> {
-        let s = lock(&self.state);
+        let s = self.lock();
         let record = s
             .qps
             .get(&id)
@@ -936,7 +982,7 @@ impl Registry {
     /// Destroys a queue pair (its owner only); its windows go first.
     pub fn destroy_qp(&self, caller: &Caller, id: QpId) -> Result<(), EngineError> {
         self.own_qp(caller, id)?;
-        let mut s = lock(&self.state);
+        let mut s = self.lock();
         let Some(record) = s.qps.remove(&id) else {
             return Err(EngineError::NoSuchObject(format!("queue pair {id}")));
         };
@@ -961,7 +1007,7 @@ impl Registry {
     /// Queue pairs the caller may see: its user's, or all for an administrator.
     pub fn qps(&self, config: &Config, caller: &Caller) -> Vec<(QpId, Arc<QueuePairRecord>)> {
         let admin = policy::is_admin(caller, config);
-        lock(&self.state)
+        self.lock()
             .qps
             .iter()
             .filter(|(_, q)| admin || q.owner_uid == caller.uid)
@@ -975,7 +1021,7 @@ impl Registry {
         caller: &Caller,
         id: RegionId,
     ) -> Result<(Arc<dyn MemoryRegion>, String), EngineError> {
-        let s = lock(&self.state);
+        let s = self.lock();
         let r = Self::own_region(&s, caller, id)?;
         Ok((Arc::clone(&r.mr), r.pool.device.clone()))
     }
@@ -988,7 +1034,7 @@ impl Registry {
         qp: QpId,
         window: Arc<dyn crate::provider::MemoryWindow>,
     ) -> Result<ExportId, EngineError> {
-        let mut s = lock(&self.state);
+        let mut s = self.lock();
         let record = s
             .qps
             .get(&qp)
@@ -1017,7 +1063,7 @@ impl Registry {
         id: RegionId,
         export: ExportId,
     ) -> Result<(QpId, Window, Arc<QueuePairRecord>), EngineError> {
-        let mut s = lock(&self.state);
+        let mut s = self.lock();
         Self::own_region(&s, caller, id)?;
         let (qp, _) = *s.regions[&id]
             .exports
@@ -1052,7 +1098,7 @@ impl Registry {
         session: SessionId,
     ) -> Option<super::datapath::validate::RegionRights> {
         use super::datapath::validate::RegionRight;
-        let s = lock(&self.state);
+        let s = self.lock();
         let x = s.sessions.get(&session)?;
         let owned = x.regions.iter().map(|id| (*id, true));
         let attached = x
@@ -1072,10 +1118,7 @@ impl Registry {
 
     /// The region's registration, for the data path (same visibility as `region`).
     pub fn region_mr(&self, id: RegionId) -> Option<Arc<dyn MemoryRegion>> {
-        lock(&self.state)
-            .regions
-            .get(&id)
-            .map(|r| Arc::clone(&r.mr))
+        self.lock().regions.get(&id).map(|r| Arc::clone(&r.mr))
     }
 
     /// Limits and live use of `uid`: the caller's own, or anyone's for an administrator.
@@ -1245,6 +1288,53 @@ mod tests {
         }
     }
 
+    /// Every registry call that needs a user or group lookup — pool access lists, the
+    /// administrators' group, another user's groups — makes it with the registry's lock
+    /// released: NSS may block on a directory server, and under the lock one slow lookup
+    /// would stall every tenant. Debug builds fail any lookup made under the lock
+    /// (`policy::lookups`), so each call here would panic if one still did.
+    #[test]
+    fn user_and_group_lookups_never_run_under_the_registry_lock() {
+        let (engine, config) = engine_on(
+            ProviderChoice::Loopback,
+            "[daemon]\nadmin_group = \"root\"\n\n[[pool]]\nname = \"acl\"\n\
+             capacity = \"1MiB\"\nsize_classes = [\"4KiB\"]\nusers = [\"root\"]\n\
+             groups = [\"root\"]\n",
+        );
+        let pool = Arc::clone(engine.pool("acl").unwrap());
+        let root = caller(0, ":1.0");
+        // Not root, but in the administrators' group (and the pool's).
+        let carol = Caller {
+            gids: vec![0],
+            ..caller(1002, ":1.3")
+        };
+        let owner = engine.registry.open_session(&config, &root).unwrap();
+        let region = engine
+            .registry
+            .allocate(&config, &root, owner, &pool, 4096)
+            .unwrap()
+            .region;
+        let (token, key) = engine
+            .registry
+            .share(&config, &root, region, AttachMode::ReadOnly, None)
+            .unwrap();
+        let attacher = engine.registry.open_session(&config, &carol).unwrap();
+        let handout = engine.registry.attach(&carol, attacher, &token).unwrap();
+        assert_eq!(handout.region, region, "the pool's group lets carol attach");
+        assert_eq!(
+            engine.registry.session(&config, &carol, owner).unwrap().uid,
+            0,
+            "an administrator reads another user's session"
+        );
+        engine.registry.quota(&config, &carol, 0).unwrap();
+        engine.registry.revoke(&config, &carol, key).unwrap();
+        let removed = engine
+            .registry
+            .close_session(&config, &carol, owner)
+            .unwrap();
+        assert_eq!(removed.regions, vec![region]);
+    }
+
     /// A window taken out of its queue pair (by `ReleaseExport`, or with a freed region)
     /// keeps that queue pair alive until the window is dropped, even if the queue pair is
     /// destroyed meanwhile: a QP destroyed with a type-2 window still bound blocks rxe for
@@ -1308,7 +1398,7 @@ mod tests {
         engine
             .export_remote(&alice, region, qps[1], Access::REMOTE_READ)
             .unwrap();
-        let garbage = Registry::remove_region(&mut lock(&engine.registry.state), region).unwrap();
+        let garbage = Registry::remove_region(&mut engine.registry.lock(), region).unwrap();
         engine.registry.destroy_qp(&alice, qps[1]).unwrap();
         assert_eq!(
             qps_alive(),

@@ -2,6 +2,7 @@
 //! arguments) and the configuration; tested without a bus.
 
 pub mod keys;
+pub mod lookups;
 pub mod quota;
 
 use crate::config::Config;
@@ -37,6 +38,7 @@ pub fn is_admin(caller: &Caller, config: &Config) -> bool {
 /// Whether `gids` include the group named `group` (false when there is no such group;
 /// a failed lookup is logged and denies).
 pub fn in_group(group: &str, gids: &[u32]) -> bool {
+    lookups::check("in_group");
     match nix::unistd::Group::from_name(group) {
         Ok(Some(g)) => gids.contains(&g.gid.as_raw()),
         Ok(None) => false,

@@ -69,6 +69,7 @@ pub struct QuotaError {
 
 /// The user name of `uid`, or the number when it has none.
 pub fn user_name(uid: u32) -> String {
+    super::lookups::check("user_name");
     match nix::unistd::User::from_uid(nix::unistd::Uid::from_raw(uid)) {
         Ok(Some(user)) => user.name,
         _ => uid.to_string(),
@@ -78,6 +79,7 @@ pub fn user_name(uid: u32) -> String {
 /// The groups of `uid` as the system lists them (for callers whose groups the bus did not
 /// report, e.g. `GetQuota` of another user).
 pub fn groups_of(uid: u32) -> Vec<u32> {
+    super::lookups::check("groups_of");
     let Ok(Some(user)) = nix::unistd::User::from_uid(nix::unistd::Uid::from_raw(uid)) else {
         return Vec::new();
     };
