@@ -526,6 +526,9 @@ fn run(
     let mut last_work = Instant::now();
     let mut seen = 0;
     while !stop.load(std::sync::atomic::Ordering::Acquire) {
+        // Commands are taken before the QP changes are looked at: a command for a QP just
+        // added (`add`, then `run`) then always finds it served.
+        let pending = std::mem::take(&mut *lock(commands));
         let wanted = *lock(&shared.wanted);
         if wanted != seen {
             let current = lock(&shared.qps).clone();
@@ -540,7 +543,7 @@ fn run(
             shared.applied_cv.notify_all();
         }
         let mut busy = false;
-        for command in std::mem::take(&mut *lock(commands)) {
+        for command in pending {
             busy = true;
             match qps.iter_mut().find(|q| q.id == command.qp) {
                 Some(q) => q.run_command(command.op, command.reply),
