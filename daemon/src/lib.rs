@@ -14,3 +14,4 @@ pub mod memory;
 pub mod policy;
 pub mod provider;
 pub mod service;
+pub mod test_hooks;

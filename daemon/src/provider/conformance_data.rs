@@ -31,6 +31,7 @@ pub fn run_all(dev: &dyn Device) {
     access_beyond_the_region_is_refused(dev);
     mr_rkey_without_remote_rights_is_refused(dev);
     bad_lkey_is_a_local_protection_error(dev);
+    a_registration_with_a_bound_window_lingers(dev);
     assert_eq!(
         dev.object_counts(),
         base,
@@ -446,4 +447,56 @@ fn bad_lkey_is_a_local_protection_error(dev: &dyn Device) {
         "{wc:?}"
     );
     assert_eq!(wc.wr_id, 11);
+}
+
+/// rxe refuses to deregister an MR while a window is bound over it (`ibv_dereg_mr`:
+/// EINVAL), and the window's rkey keeps working. The provider keeps such a registration —
+/// counted, listed — and deregisters it on a retry once the window is gone.
+fn a_registration_with_a_bound_window_lingers(dev: &dyn Device) {
+    let base = dev.object_counts();
+    let (a, mut b) = pair(dev, 4096);
+    let rkey = b.bind_window(Access::REMOTE_WRITE);
+    let Side {
+        mw,
+        qp,
+        cq,
+        mr,
+        _pd,
+    } = b;
+    let (key, addr) = (mr.lkey(), mr.addr());
+    drop(mr);
+    let lingering = dev.lingering();
+    assert_eq!(lingering.len(), 1, "{lingering:?}");
+    assert_eq!(
+        (lingering[0].kind, lingering[0].key, lingering[0].len),
+        (super::ObjectKind::Mr, key, 4096)
+    );
+    assert!(lingering[0].error.contains("ibv_dereg_mr"), "{lingering:?}");
+    assert_eq!(dev.object_counts().mrs, base.mrs + 2, "still registered");
+    assert_eq!(
+        dev.retry_lingering(),
+        1,
+        "refused again while the window is bound"
+    );
+    assert_eq!(dev.lingering()[0].attempts, 2);
+    a.write(0, b"through");
+    a.post(
+        30,
+        SendOp::Write {
+            remote_addr: addr,
+            rkey,
+            imm: None,
+        },
+        vec![a.sge(0, 7)],
+    );
+    assert_eq!(
+        a.completion().status,
+        WcStatus::Success,
+        "the window still reaches the registration"
+    );
+    drop(mw);
+    assert_eq!(dev.retry_lingering(), 0);
+    assert!(dev.lingering().is_empty());
+    drop((qp, cq, _pd, a));
+    assert_eq!(dev.object_counts(), base);
 }

@@ -13,6 +13,19 @@ pub enum ObjectKind {
     Qp,
 }
 
+impl ObjectKind {
+    /// The name `rdma resource show` gives the kind.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ObjectKind::Pd => "pd",
+            ObjectKind::Mr => "mr",
+            ObjectKind::Mw => "mw",
+            ObjectKind::Cq => "cq",
+            ObjectKind::Qp => "qp",
+        }
+    }
+}
+
 /// A snapshot of how many objects of each kind are alive.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct ObjectCounts {

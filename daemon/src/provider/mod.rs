@@ -115,6 +115,50 @@ pub trait Device: Send + Sync + fmt::Debug {
     fn alloc_pd(&self) -> Result<Arc<dyn ProtectionDomain>>;
     /// How many provider objects of each kind are alive on this device.
     fn object_counts(&self) -> ObjectCounts;
+    /// Objects the device refused to destroy, kept and retried (see [`Lingering`]).
+    fn lingering(&self) -> Vec<Lingering>;
+    /// Tries again to destroy what the device refused to, windows before registrations;
+    /// returns how many objects are still left.
+    fn retry_lingering(&self) -> usize;
+}
+
+/// A registration or window the device refused to destroy (`ibv_dereg_mr` fails with
+/// EINVAL on rxe while a window is bound over the MR). It is not dropped on the floor:
+/// the provider keeps it — a registration with its memory mapped, with its PD — counts it
+/// among the live objects of [`Device::object_counts`], lists it in [`Device::lingering`]
+/// and tries again on [`Device::retry_lingering`] until the device accepts.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Lingering {
+    pub kind: ObjectKind,
+    /// The lkey of a registration, the rkey of a window.
+    pub key: u32,
+    /// Bytes registered (0 for a window).
+    pub len: u64,
+    /// The device's last answer.
+    pub error: String,
+    /// When the device first refused.
+    pub since: std::time::SystemTime,
+    /// How many times the device refused.
+    pub attempts: u32,
+}
+
+impl Lingering {
+    fn new(kind: ObjectKind, key: u32, len: u64, error: &ProviderError) -> Lingering {
+        Lingering {
+            kind,
+            key,
+            len,
+            error: error.to_string(),
+            since: std::time::SystemTime::now(),
+            attempts: 1,
+        }
+    }
+
+    /// Records one more refusal.
+    fn refused_again(&mut self, error: &ProviderError) {
+        self.attempts = self.attempts.saturating_add(1);
+        self.error = error.to_string();
+    }
 }
 
 /// A protection domain: the scope of memory registrations, windows and QPs.

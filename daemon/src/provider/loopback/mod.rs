@@ -40,9 +40,9 @@ use std::sync::{Arc, Mutex, Weak};
 
 use super::counters::{Counters, Tracked};
 use super::{
-    Access, AtomicSupport, CompletionQueue, Device, DeviceAttributes, GidEntry, GidType, LinkLayer,
-    MemoryRegion, MemoryWindow, MwType, ObjectCounts, ObjectKind, PortAttributes, PortState,
-    ProtectionDomain, ProviderError, ProviderKind, QpInit, QueuePair, Result,
+    Access, AtomicSupport, CompletionQueue, Device, DeviceAttributes, GidEntry, GidType, Lingering,
+    LinkLayer, MemoryRegion, MemoryWindow, MwType, ObjectCounts, ObjectKind, PortAttributes,
+    PortState, ProtectionDomain, ProviderError, ProviderKind, QpInit, QueuePair, Result,
 };
 use crate::lock::lock;
 use crate::memory::SharedMemory;
@@ -130,6 +130,9 @@ struct Shared {
     exec: Mutex<()>,
     /// Key-table indices of MRs and windows (a leaf lock).
     indices: Mutex<KeyIndices>,
+    /// Registrations the device refused to deregister, retried on request (taken before
+    /// the key tables, never while holding one).
+    lingering: Mutex<Vec<LingeringMr>>,
     next_qpn: AtomicU32,
     next_id: AtomicU64,
 }
@@ -211,6 +214,22 @@ impl Shared {
         lock(&self.indices).give_back(index);
     }
 
+    /// Deregisters `key`, as rxe does: refused (EINVAL) while a window is bound over the
+    /// registration, which then stays in the translation table — and the window's key
+    /// keeps working.
+    fn deregister(&self, key: u32) -> Result<()> {
+        let bound = lock(&self.windows)
+            .values()
+            .any(|w| w.binding.as_ref().is_some_and(|b| b.mr_key == key));
+        if bound {
+            return Err(os_error(&self.name, "ibv_dereg_mr", libc::EINVAL));
+        }
+        let removed = lock(&self.translations).remove(&key);
+        drop(removed);
+        self.free_index(key >> 8);
+        Ok(())
+    }
+
     fn next_id(&self) -> u64 {
         self.next_id.fetch_add(1, Ordering::Relaxed)
     }
@@ -267,6 +286,7 @@ impl LoopbackDevice {
                 qps: Mutex::default(),
                 exec: Mutex::default(),
                 indices: Mutex::new(indices),
+                lingering: Mutex::default(),
                 // rxe hands out QP numbers from 17 up (0 and 1 are the special QPs).
                 next_qpn: AtomicU32::new(0x11),
                 next_id: AtomicU64::new(1),
@@ -368,6 +388,34 @@ impl Device for LoopbackDevice {
     fn object_counts(&self) -> ObjectCounts {
         self.shared.counters.snapshot()
     }
+
+    fn lingering(&self) -> Vec<Lingering> {
+        lock(&self.shared.lingering)
+            .iter()
+            .map(|m| m.info.clone())
+            .collect()
+    }
+
+    fn retry_lingering(&self) -> usize {
+        let device = &self.shared;
+        let mut list = lock(&device.lingering);
+        list.retain_mut(|m| match device.deregister(m.key) {
+            Ok(()) => {
+                tracing::warn!(
+                    "{}: registration {:#x} deregistered after {} refusals",
+                    device.name,
+                    m.key,
+                    m.info.attempts
+                );
+                false
+            }
+            Err(e) => {
+                m.info.refused_again(&e);
+                true
+            }
+        });
+        list.len()
+    }
 }
 
 fn check_port(device: &str, port: u8) -> Result<()> {
@@ -407,6 +455,7 @@ struct PdInner {
 
 impl ProtectionDomain for LoopbackPd {
     fn register(&self, memory: Arc<SharedMemory>, access: Access) -> Result<Arc<dyn MemoryRegion>> {
+        crate::test_hooks::slow_device("ibv_reg_mr");
         let device = &self.0.device;
         let name = &device.name;
         access
@@ -465,6 +514,7 @@ impl ProtectionDomain for LoopbackPd {
     }
 
     fn create_qp(&self, init: QpInit) -> Result<Arc<dyn QueuePair>> {
+        crate::test_hooks::slow_device("ibv_create_qp");
         qp::create(&self.0, init)
     }
 
@@ -502,13 +552,33 @@ impl MemoryRegion for LoopbackMr {
 
 impl Drop for LoopbackMr {
     fn drop(&mut self) {
-        // Windows bound over this MR stay in their table but stop resolving: every remote
-        // access looks the MR up again. (rxe refuses to deregister an MR with bound
-        // windows; a drop cannot fail, so here the windows die with it instead.)
-        let removed = lock(&self.pd.device.translations).remove(&self.key);
-        drop(removed);
-        self.pd.device.free_index(self.key >> 8);
+        let device = &self.pd.device;
+        if let Err(e) = device.deregister(self.key) {
+            tracing::error!(
+                "{e} (registration {:#x}, {} bytes): a window is still bound over it; \
+                 it stays registered and is retried",
+                self.key,
+                self.memory.len()
+            );
+            lock(&device.lingering).push(LingeringMr {
+                key: self.key,
+                info: Lingering::new(ObjectKind::Mr, self.key, self.memory.len() as u64, &e),
+                _tracked: device.counters.track(ObjectKind::Mr),
+                _pd: Arc::clone(&self.pd),
+            });
+        }
     }
+}
+
+/// A registration the device refused to deregister: still in the translation table (its
+/// memory stays mapped through the registration's `Arc`), counted as a live MR, its PD
+/// alive, until [`Device::retry_lingering`] succeeds.
+#[derive(Debug)]
+struct LingeringMr {
+    key: u32,
+    info: Lingering,
+    _tracked: Tracked,
+    _pd: Arc<PdInner>,
 }
 
 /// A memory window: its state lives in the device's window table, so a remote access and

@@ -931,10 +931,16 @@ fn counts_are_exact_whatever_the_drop_order() {
     );
     let End { qp, cq, mr, pd } = b;
     drop(pd);
-    drop(mr);
+    drop(mr); // refused, as by rxe: the window is bound over it
+    assert_eq!(dev.lingering().len(), 1);
     drop(cq);
     drop(qp); // the waiting send on a now times out
     drop(mw);
+    assert_eq!(
+        dev.retry_lingering(),
+        0,
+        "the window is gone: the MR goes too"
+    );
     drop(a);
     assert_eq!(dev.object_counts(), ObjectCounts::default());
 }

@@ -35,8 +35,9 @@ mod qp;
 use super::counters::{Counters, Tracked};
 use super::{
     mtu_bytes, Access, AtomicSupport, CompletionQueue, Device, DeviceAttributes, GidEntry, GidType,
-    LinkLayer, MemoryRegion, MemoryWindow, MwType, ObjectCounts, ObjectKind, PortAttributes,
-    PortState, ProtectionDomain, ProviderError, ProviderKind, QpInit, QueuePair, Result,
+    Lingering, LinkLayer, MemoryRegion, MemoryWindow, MwType, ObjectCounts, ObjectKind,
+    PortAttributes, PortState, ProtectionDomain, ProviderError, ProviderKind, QpInit, QueuePair,
+    Result,
 };
 use crate::memory::SharedMemory;
 
@@ -202,6 +203,10 @@ struct Context {
     port_count: u8,
     cap_flags: u32,
     counters: Arc<Counters>,
+    /// Registrations and windows the device refused to destroy, retried on request. While
+    /// one is kept, it holds its PD and so this context: the device stays open (the kernel
+    /// frees what is left when the process exits).
+    lingering: std::sync::Mutex<Vec<LingeringObject>>,
 }
 
 // SAFETY: the context is only used through libibverbs calls, which are thread safe (module
@@ -233,6 +238,7 @@ impl Context {
             port_count: 0,
             cap_flags: 0,
             counters: Arc::default(),
+            lingering: std::sync::Mutex::default(),
         };
         // Static for the life of the context: cache what every port check needs.
         let attr = context.query_device()?;
@@ -460,6 +466,118 @@ impl Device for VerbsDevice {
     fn object_counts(&self) -> ObjectCounts {
         self.context.counters.snapshot()
     }
+
+    fn lingering(&self) -> Vec<Lingering> {
+        crate::lock::lock(&self.context.lingering)
+            .iter()
+            .map(|o| o.info.clone())
+            .collect()
+    }
+
+    fn retry_lingering(&self) -> usize {
+        let name = &self.context.name;
+        let mut list = crate::lock::lock(&self.context.lingering);
+        // Windows first: a registration with a window bound over it cannot go.
+        list.sort_by_key(|o| matches!(o.handle, LingeringHandle::Mr { .. }));
+        list.retain_mut(|o| match o.destroy(name) {
+            Ok(()) => {
+                tracing::warn!(
+                    "{name}: {} {:#x} destroyed after {} refusals",
+                    o.info.kind.as_str(),
+                    o.info.key,
+                    o.info.attempts
+                );
+                false
+            }
+            Err(e) => {
+                o.info.refused_again(&e);
+                true
+            }
+        });
+        list.len()
+    }
+}
+
+/// A registration or window the device refused to destroy, owned by its context's list
+/// alone from then on (the handle that made it is gone).
+#[derive(Debug)]
+struct LingeringObject {
+    handle: LingeringHandle,
+    info: Lingering,
+    _tracked: Tracked,
+    /// The PD (and through it the context) outlives the object.
+    _pd: Arc<PdInner>,
+}
+
+#[derive(Debug)]
+enum LingeringHandle {
+    Mr {
+        mr: NonNull<ibv_mr>,
+        /// Unmapped only once the device has let go of it.
+        _memory: Arc<SharedMemory>,
+    },
+    Mw(NonNull<ibv_mw>),
+}
+
+// SAFETY: the pointers are only passed to `ibv_dereg_mr` and the provider's `dealloc_mw`,
+// which are thread safe (module docs), under the list's lock, and each is destroyed at
+// most once: the entry is removed from the list when its verb succeeds.
+unsafe impl Send for LingeringObject {}
+
+impl LingeringObject {
+    fn destroy(&self, name: &str) -> Result<()> {
+        match &self.handle {
+            LingeringHandle::Mr { mr, .. } => dereg_mr(name, *mr),
+            LingeringHandle::Mw(mw) => dealloc_mw(name, *mw),
+        }
+    }
+}
+
+/// `ibv_dereg_mr`.
+fn dereg_mr(name: &str, mr: NonNull<ibv_mr>) -> Result<()> {
+    // SAFETY: a registration made by `ibv_reg_mr` that no verb has deregistered yet (the
+    // callers destroy each once: `VerbsMr::drop`, then only its lingering entry).
+    let rc = unsafe { ibv_dereg_mr(mr.as_ptr()) };
+    if rc != 0 {
+        return Err(verb_error(name, "ibv_dereg_mr", rc));
+    }
+    Ok(())
+}
+
+/// The provider's `dealloc_mw` (what `ibv_dealloc_mw` calls, minus its panic on a missing
+/// operation).
+fn dealloc_mw(name: &str, mw: NonNull<ibv_mw>) -> Result<()> {
+    // SAFETY: a live window; its context outlives it (the PD holds the context).
+    let dealloc = unsafe { (*(*mw.as_ptr()).context).ops.dealloc_mw };
+    let Some(dealloc) = dealloc else {
+        return Err(ProviderError::not_supported(name, "ibv_dealloc_mw"));
+    };
+    // SAFETY: a window made by `ibv_alloc_mw` that no verb has deallocated yet (the callers
+    // destroy each once: `VerbsMw::drop`, then only its lingering entry).
+    let rc = unsafe { dealloc(mw.as_ptr()) };
+    if rc != 0 {
+        return Err(verb_error(name, "ibv_dealloc_mw", rc));
+    }
+    Ok(())
+}
+
+impl Context {
+    /// Keeps an object whose destruction failed, and says so.
+    fn linger(&self, handle: LingeringHandle, info: Lingering, pd: &Arc<PdInner>) {
+        tracing::error!(
+            "{}: {} (key {:#x}, {} bytes): it stays alive and is retried",
+            self.name,
+            info.error,
+            info.key,
+            info.len
+        );
+        crate::lock::lock(&self.lingering).push(LingeringObject {
+            handle,
+            _tracked: self.counters.track(info.kind),
+            info,
+            _pd: Arc::clone(pd),
+        });
+    }
 }
 
 /// The handle the engine holds; registrations and windows hold the inner part, so the PD is
@@ -624,13 +742,16 @@ impl MemoryRegion for VerbsMr {
 
 impl Drop for VerbsMr {
     fn drop(&mut self) {
-        // SAFETY: registered in `register`, deregistered only here.
-        let rc = unsafe { ibv_dereg_mr(self.mr.as_ptr()) };
-        if rc != 0 {
-            tracing::error!(
-                "{} (lkey {:#x})",
-                verb_error(&self.pd.context.name, "ibv_dereg_mr", rc),
-                self.lkey
+        let context = &self.pd.context;
+        if let Err(e) = dereg_mr(&context.name, self.mr) {
+            // The kernel keeps the registration (and what is bound over it): so does rdmad.
+            context.linger(
+                LingeringHandle::Mr {
+                    mr: self.mr,
+                    _memory: Arc::clone(&self.memory),
+                },
+                Lingering::new(ObjectKind::Mr, self.lkey, self.memory.len() as u64, &e),
+                &self.pd,
             );
         }
     }
@@ -667,18 +788,13 @@ impl MemoryWindow for VerbsMw {
 
 impl Drop for VerbsMw {
     fn drop(&mut self) {
-        let name = &self.pd.context.name;
-        // SAFETY: a live window; its context outlives it (the PD holds the context).
-        let dealloc = unsafe { (*(*self.mw.as_ptr()).context).ops.dealloc_mw };
-        let Some(dealloc) = dealloc else {
-            tracing::error!("{name}: the provider has no dealloc_mw; leaking a memory window");
-            return;
-        };
-        // SAFETY: allocated in `alloc_mw`, deallocated only here, with the provider's own
-        // verb (what `ibv_dealloc_mw` calls, minus its panic on a missing op).
-        let rc = unsafe { dealloc(self.mw.as_ptr()) };
-        if rc != 0 {
-            tracing::error!("{}", verb_error(name, "ibv_dealloc_mw", rc));
+        let context = &self.pd.context;
+        if let Err(e) = dealloc_mw(&context.name, self.mw) {
+            context.linger(
+                LingeringHandle::Mw(self.mw),
+                Lingering::new(ObjectKind::Mw, self.rkey(), 0, &e),
+                &self.pd,
+            );
         }
     }
 }

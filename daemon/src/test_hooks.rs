@@ -1,0 +1,60 @@
+//! Slow paths the tests can ask for through the environment, to exercise what the daemon
+//! does when the device or its own threads are slow. Read in debug builds only: in release
+//! builds (the packages) every hook is a constant no-op.
+//!
+//! - `RDMAD_TEST_HANDBACK_DELAY_MS=N`: a data-path worker slow to let go of queue pairs.
+//!   From the first time a worker is asked to let go of one, for N ms, workers keep serving
+//!   every QP they have but let go of none (nor take new ones) — longer than the engine
+//!   waits for them (5 s), so that path runs.
+//! - `RDMAD_TEST_SLOW_DEVICE_MS=N`: every loopback registration and queue-pair creation
+//!   takes N ms more, as on a slow device.
+
+#[cfg(debug_assertions)]
+use std::sync::OnceLock;
+#[cfg(debug_assertions)]
+use std::time::Duration;
+
+/// Whether a worker must keep the QPs it was asked to let go of for now.
+pub fn hold_handback() -> bool {
+    #[cfg(debug_assertions)]
+    {
+        use std::time::Instant;
+        static DELAY: OnceLock<Option<Duration>> = OnceLock::new();
+        let Some(delay) = from_env(&DELAY, "RDMAD_TEST_HANDBACK_DELAY_MS") else {
+            return false;
+        };
+        static STARTED: OnceLock<Instant> = OnceLock::new();
+        let started = STARTED.get_or_init(|| {
+            tracing::warn!("test hook: the data-path workers let go of nothing for {delay:?}");
+            Instant::now()
+        });
+        started.elapsed() < delay
+    }
+    #[cfg(not(debug_assertions))]
+    false
+}
+
+/// A device operation (`operation`, named as the verb) that takes longer.
+pub fn slow_device(operation: &str) {
+    #[cfg(debug_assertions)]
+    if let Some(delay) = {
+        static DELAY: OnceLock<Option<Duration>> = OnceLock::new();
+        from_env(&DELAY, "RDMAD_TEST_SLOW_DEVICE_MS")
+    } {
+        tracing::warn!("test hook: {operation} takes {delay:?}");
+        std::thread::sleep(delay);
+    }
+    #[cfg(not(debug_assertions))]
+    let _ = operation;
+}
+
+/// A delay in milliseconds from the environment variable `name`, read once into `slot`.
+#[cfg(debug_assertions)]
+fn from_env(slot: &OnceLock<Option<Duration>>, name: &str) -> Option<Duration> {
+    *slot.get_or_init(|| {
+        std::env::var(name)
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .map(Duration::from_millis)
+    })
+}
