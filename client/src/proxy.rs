@@ -8,8 +8,8 @@ use zbus::zvariant::{OwnedFd, OwnedObjectPath, Value};
 
 use crate::error::Error;
 use crate::types::{
-    Capabilities, DeviceSummary, Endpoint, GidEntry, PoolInfo, PortInfo, QueuePairInfo, QuotaEntry,
-    RegionInfo, RingInfo, SessionInfo,
+    Capabilities, DeviceSummary, Endpoint, GidEntry, LingeringObject, PoolInfo, PortInfo,
+    QueuePairInfo, QuotaEntry, RegionInfo, RingInfo, SessionInfo,
 };
 
 /// `options a{sv}` of the mutating methods.
@@ -86,6 +86,8 @@ pub trait Device {
     fn gids(&self) -> zbus::Result<Vec<GidEntry>>;
     #[zbus(property)]
     fn capabilities(&self) -> zbus::Result<Capabilities>;
+    #[zbus(property(emits_changed_signal = "false"))]
+    fn lingering_objects(&self) -> zbus::Result<Vec<LingeringObject>>;
 }
 
 #[proxy(interface = "org.rdmad1.Session", default_service = "org.rdmad1")]

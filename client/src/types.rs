@@ -62,6 +62,24 @@ pub struct Capabilities {
     pub memory_windows: Vec<String>,
 }
 
+/// A registration or window the device refused to destroy, still kept and retried by
+/// rdmad (`Device.LingeringObjects`), signature `(sustsu)`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, Type, Value, OwnedValue)]
+pub struct LingeringObject {
+    /// `mr` or `mw`.
+    pub kind: String,
+    /// The lkey of a registration, the rkey of a window.
+    pub key: u32,
+    /// Bytes registered (0 for a window).
+    pub length: u64,
+    /// The device's last answer.
+    pub error: String,
+    /// When the device first refused, in microseconds since the Unix epoch.
+    pub since_usec: u64,
+    /// How many times it refused.
+    pub attempts: u32,
+}
+
 /// A session, as `Manager.ListSessions` and `Session.GetInfo` show it.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, Type, Value, OwnedValue)]
 pub struct SessionInfo {

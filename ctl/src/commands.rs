@@ -114,6 +114,7 @@ async fn devices(connection: &Connection, name: Option<&str>) -> Result<Value, E
             "ports": d.ports().await?,
             "gids": d.gids().await?,
             "caps": d.capabilities().await?,
+            "lingering": d.lingering_objects().await?,
         }));
     }
     Ok(Value::Array(out))

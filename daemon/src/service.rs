@@ -74,6 +74,12 @@ async fn serve(args: Args, config: Config, log: LogHandle) -> anyhow::Result<()>
     loop {
         tokio::select! {
             _ = status_tick.tick() => {
+                // What a device refused to destroy is tried again (the engine also does
+                // after every teardown), off the runtime's threads.
+                if !engine.lingering().is_empty() {
+                    let engine = Arc::clone(&engine);
+                    let _ = tokio::task::spawn_blocking(move || engine.retry_lingering()).await;
+                }
                 let status = engine.status_line();
                 if status != last_status {
                     notify(&[NotifyState::Status(&status)]);

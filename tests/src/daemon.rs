@@ -21,6 +21,9 @@ pub struct DaemonOptions {
     /// Give the daemon a `NOTIFY_SOCKET` (and `WATCHDOG_USEC` if set).
     pub notify: bool,
     pub watchdog_usec: Option<u64>,
+    /// More environment for the daemon (e.g. the test hooks of a debug build, see
+    /// `rdmad::test_hooks`).
+    pub env: Vec<(&'static str, String)>,
 }
 
 impl Default for DaemonOptions {
@@ -30,6 +33,7 @@ impl Default for DaemonOptions {
             config: String::new(),
             notify: false,
             watchdog_usec: None,
+            env: Vec::new(),
         }
     }
 }
@@ -78,6 +82,7 @@ impl Daemon {
         if let Some(usec) = options.watchdog_usec {
             command.env("WATCHDOG_USEC", usec.to_string());
         }
+        command.envs(options.env.iter().map(|(k, v)| (k, v)));
         let mut child = command.spawn().expect("spawn rdmad");
         let stderr = Arc::new(Mutex::new(String::new()));
         let mut lines = BufReader::new(child.stderr.take().expect("piped stderr")).lines();
@@ -206,6 +211,15 @@ pub fn rdmactl_ok(bus: &PrivateBus, uid: Option<u32>, args: &[&str]) -> String {
 /// A private bus and a daemon on it serving `provider` (`"loopback"` or `"verbs"`) with
 /// configuration `config`, ready.
 pub async fn start_on(provider: &str, config: &str) -> (PrivateBus, Daemon) {
+    start_with_env(provider, config, Vec::new()).await
+}
+
+/// As [`start_on`], with more environment for the daemon.
+pub async fn start_with_env(
+    provider: &str,
+    config: &str,
+    env: Vec<(&'static str, String)>,
+) -> (PrivateBus, Daemon) {
     let bus = PrivateBus::start();
     let daemon = Daemon::start(
         &bus,
@@ -216,6 +230,7 @@ pub async fn start_on(provider: &str, config: &str) -> (PrivateBus, Daemon) {
                 "loopback"
             },
             config: config.to_owned(),
+            env,
             ..DaemonOptions::default()
         },
     )

@@ -8,13 +8,15 @@ rdmad_tests::on_both_providers!(
     remote_access_through_exports_until_released / rxe_remote_access_through_exports_until_released,
     released_and_freed_exports_refuse_their_rkey / rxe_released_and_freed_exports_refuse_their_rkey,
     hostile_submissions_fail_alone / rxe_hostile_submissions_fail_alone,
+    killed_session_with_exports_and_a_slow_worker_leaves_nothing
+        / rxe_killed_session_with_exports_and_a_slow_worker_leaves_nothing,
 );
 
 mod bodies {
     use rdmad_tests::bus::PrivateBus;
     use rdmad_tests::client::Client;
-    use rdmad_tests::daemon::{object_counts, start_on, wait_for_sessions};
-    use rdmad_tests::NOBODY;
+    use rdmad_tests::daemon::{object_counts, start_on, start_with_env, wait_for_sessions};
+    use rdmad_tests::{kernel_verbs_objects, NOBODY};
 
     const OTHER: u32 = 1;
 
@@ -235,5 +237,86 @@ mod bodies {
                 "{how}: the memory was not touched"
             );
         }
+    }
+
+    /// A session killed while two of its regions are exported (through two queue pairs),
+    /// with a data-path worker slow to let go of its queue pairs — 9 s, longer than the
+    /// daemon waits for it (5 s; `rdmad::test_hooks`): the windows go before the memory
+    /// all the same. While the worker still holds the dead session's queue pairs, no window
+    /// is left and the peer's old rkeys get a remote access error; once it lets go, nothing
+    /// is left — on rxe0 `rdma resource show` is back to its baseline too.
+    pub async fn killed_session_with_exports_and_a_slow_worker_leaves_nothing(provider: &str) {
+        const COLD: &str =
+            "[[pool]]\nname = \"default\"\ncapacity = \"16MiB\"\nsize_classes = [\"4KiB\"]\n";
+        let (bus, _d) = start_with_env(
+            provider,
+            COLD,
+            vec![("RDMAD_TEST_HANDBACK_DELAY_MS", "9000".to_owned())],
+        )
+        .await;
+        let baseline = object_counts(&bus).await;
+        let kernel = kernel_verbs_objects(provider);
+        let mut a = Client::start(&bus, Some(NOBODY));
+        let mut b = Client::start(&bus, Some(OTHER));
+        let dev = a.ok("devices")[0]["name"].as_str().unwrap().to_owned();
+        for c in [&mut a, &mut b] {
+            c.ok("open");
+            for _ in 0..2 {
+                c.ok("alloc default 4096");
+                c.ok(&format!("qp {dev} 16 16"));
+            }
+        }
+        for n in 0..2 {
+            let (ea, eb) = (
+                a.ok(&format!("endpoint {n}")),
+                b.ok(&format!("endpoint {n}")),
+            );
+            a.ok(&format!("connect {n} {eb}"));
+            b.ok(&format!("connect {n} {ea}"));
+        }
+        // a's region n exported through its queue pair n, whose peer is b's n.
+        let exports: Vec<(u64, u64)> = (0..2)
+            .map(|n| {
+                let e = a.ok(&format!("export {n} {n} w"));
+                (e[0].as_u64().unwrap(), e[1].as_u64().unwrap())
+            })
+            .collect();
+        for (n, (addr, rkey)) in exports.iter().enumerate() {
+            b.ok(&format!("post {n} write {n} 0 8 1 {addr} {rkey}"));
+            assert_completion(&b.ok(&format!("wait {n}")), 1, "Success", "Write");
+        }
+        // A receive in flight on a's second queue pair: the worker pins region 1 for it.
+        a.ok("post 1 recv 1 100 64 9");
+
+        a.kill();
+        let during = wait_for_sessions(&bus, 1).await;
+        assert_eq!(
+            (during["queue_pairs"], during["qps"]),
+            (2, baseline["qps"] + 4),
+            "a's session is closed, its queue pairs still held by the worker: {during:?}"
+        );
+        assert_eq!(
+            during["mws"], baseline["mws"],
+            "no window is left: {during:?}"
+        );
+        assert_eq!(during["lingering"], 0, "{during:?}");
+        for (n, (addr, rkey)) in exports.iter().enumerate() {
+            b.ok(&format!("post {n} write {n} 0 8 2 {addr} {rkey}"));
+            let c = b.ok(&format!("wait {n}"));
+            assert_eq!(
+                (c["wr_id"].as_u64(), c["status"].as_str()),
+                (Some(2), Some("RemoteAccessError")),
+                "export {n}: {c}"
+            );
+        }
+
+        b.kill();
+        let after = wait_for_sessions(&bus, 0).await;
+        assert_eq!(after, baseline, "objects");
+        assert_eq!(
+            kernel_verbs_objects(provider),
+            kernel,
+            "the kernel's verbs objects"
+        );
     }
 }

@@ -4,7 +4,7 @@
 use std::sync::Arc;
 
 use rdmad_client::device_path;
-use rdmad_client::types::{Capabilities, GidEntry, PortInfo};
+use rdmad_client::types::{Capabilities, GidEntry, LingeringObject, PortInfo};
 use zbus::interface;
 
 use super::error::provider_error;
@@ -103,6 +103,26 @@ impl DeviceObject {
             }
         }
         Ok(out)
+    }
+
+    /// Registrations and windows the device refused to destroy: rdmad keeps them (their
+    /// memory stays pinned, what is bound over them may still work) and retries every few
+    /// seconds. Empty in a healthy daemon.
+    #[zbus(property(emits_changed_signal = "false"))]
+    async fn lingering_objects(&self) -> Vec<LingeringObject> {
+        self.entry()
+            .device
+            .lingering()
+            .into_iter()
+            .map(|l| LingeringObject {
+                kind: l.kind.as_str().to_owned(),
+                key: l.key,
+                length: l.len,
+                error: l.error,
+                since_usec: super::wire::usec(l.since),
+                attempts: l.attempts,
+            })
+            .collect()
     }
 
     #[zbus(property(emits_changed_signal = "const"))]

@@ -226,7 +226,9 @@ impl Manager {
 
     /// Live objects: the daemon's (`sessions`, `regions`, `keys`, `warm_regions`) and the
     /// providers' (`pds`, `mrs`, `mws`, `cqs`, `qps`, the daemon's own PDs and warm regions
-    /// included). Tests and operators use it to see that everything is released.
+    /// included), and `lingering`: registrations and windows a device refused to destroy
+    /// (counted among `mrs` and `mws` too; listed by each device's `LingeringObjects`).
+    /// Tests and operators use it to see that everything is released.
     #[zbus(property(emits_changed_signal = "false"))]
     async fn object_counts(&self) -> HashMap<String, u64> {
         let engine = &self.ctx.engine;
@@ -244,6 +246,7 @@ impl Manager {
             ("mws", p.mws),
             ("cqs", p.cqs),
             ("qps", p.qps),
+            ("lingering", engine.lingering().len() as u64),
         ]
         .into_iter()
         .map(|(k, v)| (k.to_owned(), v))

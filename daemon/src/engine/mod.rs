@@ -109,6 +109,15 @@ impl Engine {
                 worker.remove(ids);
             }
         }));
+        let retrying: Vec<std::sync::Weak<dyn crate::provider::Device>> = devices
+            .iter()
+            .map(|entry| Arc::downgrade(&entry.device))
+            .collect();
+        registry.set_release_listener(Box::new(move || {
+            for device in retrying.iter().filter_map(std::sync::Weak::upgrade) {
+                device.retry_lingering();
+            }
+        }));
         Ok(Engine {
             registry,
             workers,
@@ -235,13 +244,13 @@ impl Engine {
         region: RegionId,
         export: qp::ExportId,
     ) -> Result<(), EngineError> {
-        let (qp_id, window, bound_through) = self.registry.remove_export(caller, region, export)?;
+        let (qp_id, taken) = self.registry.remove_export(caller, region, export)?;
         let device = self
             .registry
             .own_qp(caller, qp_id)
             .map(|q| q.device.clone());
         if let Some(worker) = device.ok().and_then(|d| self.workers.get(&d)) {
-            let rkey = window.rkey();
+            let rkey = taken.window.rkey();
             if let Err(e) = worker.run(qp_id, crate::provider::SendOp::LocalInvalidate { rkey }) {
                 // Dropping the window below invalidates it as well. A QP destroyed since it
                 // was looked up (its session closed, `Destroy`) is no surprise.
@@ -252,9 +261,10 @@ impl Engine {
                 }
             }
         }
-        drop(window);
-        // The QP may have been destroyed meanwhile: it goes only now, after its window.
-        drop(bound_through);
+        // Deallocated whether or not the invalidation worked; the QP (which may have been
+        // destroyed meanwhile) and the registration (the region may have been freed) go
+        // only after the window.
+        drop(taken);
         Ok(())
     }
 
@@ -316,6 +326,28 @@ impl Engine {
         Ok((new, needs_restart))
     }
 
+    /// What the devices refused to destroy (kept, counted among the live objects, and
+    /// retried after every teardown and by the service every few seconds), by device.
+    pub fn lingering(&self) -> Vec<(String, crate::provider::Lingering)> {
+        self.devices
+            .iter()
+            .flat_map(|entry| {
+                let name = entry.device.name().to_owned();
+                entry
+                    .device
+                    .lingering()
+                    .into_iter()
+                    .map(move |l| (name.clone(), l))
+            })
+            .collect()
+    }
+
+    /// Tries again to destroy what the devices refused to; returns how many objects are
+    /// still left.
+    pub fn retry_lingering(&self) -> usize {
+        retry_lingering_on(&self.devices)
+    }
+
     /// Provider objects alive on all devices (the daemon's own PDs included).
     pub fn provider_counts(&self) -> ObjectCounts {
         let mut total = ObjectCounts::default();
@@ -338,13 +370,21 @@ impl Engine {
             .map(|d| format!("{} ({})", d.device.name(), d.device.provider()))
             .collect();
         let (sessions, regions, _) = self.registry.counts();
+        let lingering = self.lingering().len();
         format!(
-            "Serving {} device{}: {}; {sessions} session{}, {regions} region{}",
+            "Serving {} device{}: {}; {sessions} session{}, {regions} region{}{}",
             devices.len(),
             if devices.len() == 1 { "" } else { "s" },
             devices.join(", "),
             if sessions == 1 { "" } else { "s" },
             if regions == 1 { "" } else { "s" },
+            match lingering {
+                0 => String::new(),
+                n => format!(
+                    "; {n} object{} the device refused to destroy (rdmactl dev)",
+                    if n == 1 { "" } else { "s" }
+                ),
+            }
         )
     }
 
@@ -371,11 +411,26 @@ impl Engine {
             pool.drain();
         }
         drop(self.pools);
+        let left = retry_lingering_on(&self.devices);
+        if left > 0 {
+            tracing::error!(
+                "{left} registration(s) or window(s) could not be destroyed: the kernel \
+                 releases them when rdmad exits"
+            );
+        }
         for entry in self.devices {
             tracing::debug!(device = entry.device.name(), "closing device");
             drop(entry);
         }
     }
+}
+
+/// Retries what `devices` refused to destroy; returns how many objects are still left.
+fn retry_lingering_on(devices: &[DeviceEntry]) -> usize {
+    devices
+        .iter()
+        .map(|entry| entry.device.retry_lingering())
+        .sum()
 }
 
 #[cfg(test)]

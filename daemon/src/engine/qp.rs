@@ -12,8 +12,8 @@ use rdmad_client::ring::Layout;
 use super::{DeviceEntry, EngineError};
 use crate::memory::SharedMemory;
 use crate::provider::{
-    Access, CompletionQueue, Device, GidEntry, GidType, MemoryWindow, QpInit, QpState, QueuePair,
-    RemoteEndpoint, RtrAttributes, RtsAttributes,
+    Access, CompletionQueue, Device, GidEntry, GidType, MemoryRegion, MemoryWindow, QpInit,
+    QpState, QueuePair, RemoteEndpoint, RtrAttributes, RtsAttributes,
 };
 
 pub type QpId = u64;
@@ -36,7 +36,11 @@ pub struct QpCounters {
 #[derive(Debug)]
 pub struct Export {
     pub region: super::RegionId,
+    // Field order is drop order: the window before the registration it is bound over
+    // (rxe refuses to deregister an MR with a bound window).
     pub window: Arc<dyn MemoryWindow>,
+    /// The region's registration, kept as long as the window is.
+    pub mr: Arc<dyn MemoryRegion>,
 }
 
 /// What a client may ask of a new QP (`CreateQueuePair` options).

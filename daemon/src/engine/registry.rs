@@ -120,14 +120,34 @@ impl Removed {
 /// A memory window bound through a queue pair.
 type Window = Arc<dyn crate::provider::MemoryWindow>;
 
-/// Device objects released outside the lock (destruction can be slow): queue pairs (with
-/// their windows) before the registrations they may have used.
+/// A window taken out of the queue pair it was bound through, with what must outlive it.
+/// Fields drop in order: the window (its rkey dies), then that queue pair (rxe blocks ~50 s
+/// destroying a QP with a valid type-2 window), then the registration it is bound over
+/// (rxe refuses to deregister an MR with a bound window).
+#[derive(Debug)]
+pub struct TakenWindow {
+    pub window: Window,
+    pub bound_through: Arc<QueuePairRecord>,
+    pub over: Arc<dyn MemoryRegion>,
+}
+
+impl TakenWindow {
+    fn new(export: Export, bound_through: &Arc<QueuePairRecord>) -> TakenWindow {
+        let Export { window, mr, .. } = export;
+        TakenWindow {
+            window,
+            bound_through: Arc::clone(bound_through),
+            over: mr,
+        }
+    }
+}
+
+/// Device objects released outside the lock (destruction can be slow). Windows are always
+/// taken out of their queue pairs explicitly — never left inside one that someone else
+/// (a data-path worker slow to let go) may still hold — and go first.
 #[derive(Default)]
 struct Garbage {
-    /// Windows taken out of their queue pairs, each with the queue pair it is bound
-    /// through: that one must outlive the window even if it is destroyed meanwhile (rxe
-    /// blocks ~50 s destroying a QP with a valid type-2 window).
-    windows: Vec<(Window, Arc<QueuePairRecord>)>,
+    windows: Vec<TakenWindow>,
     qps: Vec<Arc<QueuePairRecord>>,
     mrs: Vec<Arc<dyn MemoryRegion>>,
 }
@@ -139,13 +159,16 @@ impl Garbage {
         self.mrs.extend(other.mrs);
     }
 
-    /// Windows (their rkeys die) before queue pairs before registrations.
-    fn release(self) {
-        let (windows, bound_through): (Vec<_>, Vec<_>) = self.windows.into_iter().unzip();
-        drop(windows);
-        drop(bound_through);
-        drop(self.qps);
-        drop(self.mrs);
+    /// Takes every window out of queue pair `qp` (being removed) and out of its regions'
+    /// lists of exports.
+    fn take_windows_of(&mut self, s: &mut State, qp: QpId, record: &Arc<QueuePairRecord>) {
+        let exports = std::mem::take(&mut *lock(&record.exports));
+        for (export, e) in exports {
+            if let Some(region) = s.regions.get_mut(&e.region) {
+                region.exports.remove(&(qp, export));
+            }
+            self.windows.push(TakenWindow::new(e, record));
+        }
     }
 }
 
@@ -210,10 +233,14 @@ fn not_authorized(message: impl Into<String>) -> EngineError {
 /// let go of them).
 pub type QpListener = Box<dyn Fn(&[QpId]) + Send + Sync>;
 
+/// Told after every teardown.
+pub type ReleaseListener = Box<dyn Fn() + Send + Sync>;
+
 #[derive(Default)]
 pub struct Registry {
     state: Mutex<State>,
     qp_listener: std::sync::OnceLock<QpListener>,
+    release_listener: std::sync::OnceLock<ReleaseListener>,
 }
 
 impl std::fmt::Debug for Registry {
@@ -261,14 +288,32 @@ impl Registry {
         }
     }
 
-    /// Releases what a teardown removed: the listener lets go of the QPs first.
+    /// Sets what runs after every teardown (once): the engine retries what the devices
+    /// refused to destroy.
+    pub fn set_release_listener(&self, listener: ReleaseListener) {
+        if self.release_listener.set(listener).is_err() {
+            tracing::error!("the release listener was set twice");
+        }
+    }
+
+    /// Releases what a teardown removed. Windows go first, whatever the data-path workers
+    /// do: their rkeys die at once, and no window is left to outlive its memory. Then the
+    /// listener has the workers let go of the removed QPs (bounded: a worker that does not
+    /// in time keeps its QPs until it does, and then destroys them itself), then the QPs,
+    /// then the registrations.
     fn release(&self, removed_qps: &[QpId], garbage: Garbage) {
+        let Garbage { windows, qps, mrs } = garbage;
+        drop(windows);
         if !removed_qps.is_empty() {
             if let Some(listener) = self.qp_listener.get() {
                 listener(removed_qps);
             }
         }
-        garbage.release();
+        drop(qps);
+        drop(mrs);
+        if let Some(listener) = self.release_listener.get() {
+            listener();
+        }
     }
 
     /// Sessions (those still being released included), regions and keys.
@@ -388,6 +433,7 @@ impl Registry {
         removed.sessions.push(id);
         for qp in &session.qps {
             if let Some(record) = s.qps.remove(qp) {
+                garbage.take_windows_of(s, *qp, &record);
                 garbage.qps.push(record);
                 removed.qps.push(*qp);
             }
@@ -418,10 +464,12 @@ impl Registry {
     fn remove_region(s: &mut State, id: RegionId) -> Option<Garbage> {
         let region = s.regions.remove(&id)?;
         let mut garbage = Garbage::default();
+        // Windows bound through queue pairs still served (those of removed queue pairs
+        // were taken out with them).
         for (qp, export) in &region.exports {
             if let Some(record) = s.qps.get(qp) {
                 if let Some(e) = lock(&record.exports).remove(export) {
-                    garbage.windows.push((e.window, Arc::clone(record)));
+                    garbage.windows.push(TakenWindow::new(e, record));
                 }
             }
         }
@@ -587,7 +635,7 @@ impl Registry {
         let garbage = Self::remove_region(&mut s, id);
         drop(s);
         if let Some(g) = garbage {
-            g.release();
+            self.release(&[], g);
         }
         Ok(())
     }
@@ -993,14 +1041,11 @@ impl Registry {
             usage.sub(QuotaKind::Qps, 1);
         }
         Self::forget_idle_user(&mut s, record.owner_uid);
+        let mut garbage = Garbage::default();
+        garbage.take_windows_of(&mut s, id, &record);
+        garbage.qps.push(record);
         drop(s);
-        self.release(
-            &[id],
-            Garbage {
-                qps: vec![record],
-                ..Garbage::default()
-            },
-        );
+        self.release(&[id], garbage);
         Ok(())
     }
 
@@ -1040,29 +1085,34 @@ impl Registry {
             .get(&qp)
             .cloned()
             .ok_or(EngineError::NoSuchObject(format!("queue pair {qp}")))?;
-        if !s.regions.contains_key(&id) {
-            return Err(EngineError::NoSuchObject(format!("region {id}")));
-        }
         s.last_export += 1;
         let export = s.last_export;
-        s.regions
+        let region = s
+            .regions
             .get_mut(&id)
-            .expect("checked")
-            .exports
-            .insert((qp, export));
-        lock(&record.exports).insert(export, Export { region: id, window });
+            .ok_or(EngineError::NoSuchObject(format!("region {id}")))?;
+        region.exports.insert((qp, export));
+        let mr = Arc::clone(&region.mr);
+        lock(&record.exports).insert(
+            export,
+            Export {
+                region: id,
+                window,
+                mr,
+            },
+        );
         Ok(export)
     }
 
-    /// Removes an export of a region the caller owns; returns its QP's id, its window and
-    /// the QP itself (the caller invalidates the window, then drops it, then the QP, which
-    /// may have been destroyed meanwhile and must not go before its window).
+    /// Removes an export of a region the caller owns; returns its QP's id and its window
+    /// with what must outlive it (the caller invalidates the window, then drops it all: the
+    /// QP may have been destroyed, and the region freed, meanwhile).
     pub fn remove_export(
         &self,
         caller: &Caller,
         id: RegionId,
         export: ExportId,
-    ) -> Result<(QpId, Window, Arc<QueuePairRecord>), EngineError> {
+    ) -> Result<(QpId, TakenWindow), EngineError> {
         let mut s = self.lock();
         Self::own_region(&s, caller, id)?;
         let (qp, _) = *s.regions[&id]
@@ -1077,18 +1127,18 @@ impl Registry {
             .expect("checked")
             .exports
             .remove(&(qp, export));
-        let (window, record) = s
+        let taken = s
             .qps
             .get(&qp)
             .and_then(|r| {
                 lock(&r.exports)
                     .remove(&export)
-                    .map(|e| (e.window, Arc::clone(r)))
+                    .map(|e| TakenWindow::new(e, r))
             })
             .ok_or(EngineError::NoSuchObject(format!(
                 "export {export} (its queue pair is gone)"
             )))?;
-        Ok((qp, window, record))
+        Ok((qp, taken))
     }
 
     /// What the session's QPs may touch: its own regions read-write, attached regions as
@@ -1380,7 +1430,7 @@ mod tests {
         let (export, ..) = engine
             .export_remote(&alice, region, qps[0], Access::REMOTE_WRITE)
             .unwrap();
-        let (_, window, bound_through) = engine
+        let (_, taken) = engine
             .registry
             .remove_export(&alice, region, export)
             .unwrap();
@@ -1390,8 +1440,7 @@ mod tests {
             2,
             "the QP outlives the window bound through it"
         );
-        drop(window);
-        drop(bound_through);
+        drop(taken);
         assert_eq!(qps_alive(), 1);
 
         // A freed region: its windows go with the garbage, the QP destroyed meanwhile.
@@ -1405,9 +1454,253 @@ mod tests {
             1,
             "the QP outlives the window bound through it"
         );
-        garbage.release();
+        engine.registry.release(&[], garbage);
         assert_eq!(qps_alive(), 0);
         assert_eq!(device.object_counts().mws, 0);
+    }
+
+    /// A queue pair made on the device directly, served by no data-path worker, with a
+    /// registered buffer: the remote peer of a session's queue pair.
+    struct Peer {
+        // Field order is drop order.
+        qp: Arc<dyn crate::provider::QueuePair>,
+        cq: Arc<dyn crate::provider::CompletionQueue>,
+        mr: Arc<dyn MemoryRegion>,
+    }
+
+    impl Peer {
+        /// Connects a new peer and `record` to each other.
+        fn connect_to(entry: &DeviceEntry, record: &QueuePairRecord) -> Peer {
+            use crate::memory::SharedMemory;
+            use crate::provider::{Access, QpInit, RemoteEndpoint, RtrAttributes, RtsAttributes};
+            let cq = entry.pd.create_cq(16).unwrap();
+            let qp = entry
+                .pd
+                .create_qp(QpInit {
+                    send_cq: Arc::clone(&cq),
+                    recv_cq: Arc::clone(&cq),
+                    max_send_wr: 8,
+                    max_recv_wr: 8,
+                    max_send_sge: 1,
+                    max_recv_sge: 1,
+                    max_inline_data: 0,
+                })
+                .unwrap();
+            let memory = Arc::new(SharedMemory::create(c"peer", 4096).unwrap());
+            let mr = entry.pd.register(memory, Access::LOCAL_WRITE).unwrap();
+            let psn = 0x1234;
+            record
+                .connect(
+                    entry.device.as_ref(),
+                    RemoteEndpoint {
+                        gid: record.local.gid,
+                        qp_num: qp.qp_num(),
+                        psn,
+                        lid: record.local.lid,
+                    },
+                )
+                .unwrap();
+            qp.to_init(record.local.port, Access::LOCAL_WRITE).unwrap();
+            qp.to_rtr(
+                &RemoteEndpoint {
+                    gid: record.local.gid,
+                    qp_num: record.local.qp_num,
+                    psn: record.local.psn,
+                    lid: record.local.lid,
+                },
+                &RtrAttributes {
+                    port: record.local.port,
+                    sgid_index: record.local.gid_index,
+                    path_mtu: record.local.mtu,
+                    max_dest_rd_atomic: 1,
+                    min_rnr_timer: 12,
+                },
+            )
+            .unwrap();
+            qp.to_rts(&RtsAttributes {
+                psn,
+                timeout: 14,
+                retry_cnt: 7,
+                rnr_retry: 7,
+                max_rd_atomic: 1,
+            })
+            .unwrap();
+            Peer { qp, cq, mr }
+        }
+
+        /// RDMA WRITEs 8 bytes to `addr` through `rkey`; returns how the device answered.
+        fn write(&self, addr: u64, rkey: u32) -> crate::provider::WcStatus {
+            use crate::provider::{SendOp, SendWr, Sge};
+            self.qp
+                .post_send(&[SendWr {
+                    wr_id: 1,
+                    op: SendOp::Write {
+                        remote_addr: addr,
+                        rkey,
+                        imm: None,
+                    },
+                    sges: vec![Sge {
+                        addr: self.mr.addr(),
+                        length: 8,
+                        lkey: self.mr.lkey(),
+                    }],
+                    signaled: true,
+                }])
+                .unwrap();
+            let deadline = std::time::Instant::now() + Duration::from_secs(10);
+            let mut wcs = Vec::new();
+            while wcs.is_empty() {
+                assert!(std::time::Instant::now() < deadline, "no completion");
+                self.cq.poll(&mut wcs, 1).unwrap();
+            }
+            wcs[0].status
+        }
+    }
+
+    /// On every path that ends an export's window — ReleaseExport, freeing the region,
+    /// destroying the queue pair, closing the session (its client died), closing every
+    /// session (shutdown) — the window is deallocated before the region's registration is
+    /// dropped, even while the queue pair it was bound through is still held elsewhere, as
+    /// by a data-path worker that did not let go of it in time. The peer's old rkey gets a
+    /// remote access error at once, the registration is really deregistered (nothing
+    /// lingers: the loopback device, like rxe, refuses to deregister an MR with a bound
+    /// window), and once the queue pair is let go of, nothing is left.
+    #[test]
+    fn windows_go_before_their_memory_on_every_path() {
+        use crate::engine::qp::QpOptions;
+        use crate::provider::{Access, WcStatus};
+        let (engine, config) = engine_on(ProviderChoice::Loopback, COLD_POOL);
+        let pool = Arc::clone(engine.pool("p").unwrap());
+        let entry = &engine.devices()[0];
+        let device = Arc::clone(&entry.device);
+        let alice = caller(1000, ":1.1");
+        let baseline = device.object_counts();
+        for path in ["release", "free", "destroy", "close", "close all"] {
+            let s = engine.registry.open_session(&config, &alice).unwrap();
+            let (qp, record) = engine
+                .create_qp(&alice, s, "loopback0", QpOptions::default())
+                .unwrap();
+            let peer = Peer::connect_to(entry, &record);
+            let region = engine
+                .registry
+                .allocate(&config, &alice, s, &pool, 4096)
+                .unwrap()
+                .region;
+            let (export, addr, rkey, _) = engine
+                .export_remote(&alice, region, qp, Access::REMOTE_WRITE)
+                .unwrap();
+            assert_eq!(peer.write(addr, rkey), WcStatus::Success, "{path}");
+            let with_region = device.object_counts();
+            match path {
+                "release" => engine.release_export(&alice, region, export).unwrap(),
+                "free" => engine.registry.free(&alice, region).unwrap(),
+                "destroy" => engine.registry.destroy_qp(&alice, qp).unwrap(),
+                "close" => assert_eq!(engine.registry.close_sessions_of(":1.1").sessions, [s]),
+                _ => assert_eq!(engine.registry.close_all().sessions, [s]),
+            }
+            let now = device.object_counts();
+            assert_eq!(now.mws, baseline.mws, "{path}: the window is gone");
+            assert!(
+                engine.lingering().is_empty(),
+                "{path}: {:?}",
+                engine.lingering()
+            );
+            let region_gone = matches!(path, "free" | "close" | "close all");
+            assert_eq!(
+                now.mrs,
+                with_region.mrs - u64::from(region_gone),
+                "{path}: the region's registration is deregistered with it"
+            );
+            assert_eq!(
+                now.qps, with_region.qps,
+                "{path}: the queue pair is still held (by `record`, as by a slow worker)"
+            );
+            assert_eq!(
+                peer.write(addr, rkey),
+                WcStatus::RemoteAccessError,
+                "{path}: the old rkey"
+            );
+            drop(record);
+            drop(peer);
+            engine.registry.close_sessions_of(":1.1");
+            assert_eq!(device.object_counts(), baseline, "{path}: nothing is left");
+        }
+    }
+
+    /// What a device refuses to destroy is not dropped on the floor: a registration whose
+    /// deregistration failed (here: a window still bound over it, which the registry never
+    /// lets happen by itself) is kept, counted, shown in the status line, and retried after
+    /// every teardown until the device accepts.
+    #[test]
+    fn a_refused_deregistration_lingers_and_is_retried() {
+        use crate::engine::qp::QpOptions;
+        use crate::provider::{Access, ObjectKind, WcStatus};
+        let (engine, config) = engine_on(ProviderChoice::Loopback, COLD_POOL);
+        let pool = Arc::clone(engine.pool("p").unwrap());
+        let entry = &engine.devices()[0];
+        let device = Arc::clone(&entry.device);
+        let alice = caller(1000, ":1.1");
+        let baseline = device.object_counts();
+        let s = engine.registry.open_session(&config, &alice).unwrap();
+        let (qp, record) = engine
+            .create_qp(&alice, s, "loopback0", QpOptions::default())
+            .unwrap();
+        let peer = Peer::connect_to(entry, &record);
+        let region = engine
+            .registry
+            .allocate(&config, &alice, s, &pool, 4096)
+            .unwrap()
+            .region;
+        let (export, addr, rkey, _) = engine
+            .export_remote(&alice, region, qp, Access::REMOTE_WRITE)
+            .unwrap();
+        // Keep the window, let go of the registration it is bound over, free the region.
+        let (_, taken) = engine
+            .registry
+            .remove_export(&alice, region, export)
+            .unwrap();
+        let TakenWindow {
+            window,
+            bound_through,
+            over,
+        } = taken;
+        drop(over);
+        engine.registry.free(&alice, region).unwrap();
+        let lingering = engine.lingering();
+        assert_eq!(lingering.len(), 1, "{lingering:?}");
+        let (name, l) = &lingering[0];
+        assert_eq!(
+            (name.as_str(), l.kind, l.len),
+            ("loopback0", ObjectKind::Mr, 4096)
+        );
+        assert!(l.error.contains("ibv_dereg_mr"), "{}", l.error);
+        assert_eq!(
+            l.attempts, 2,
+            "refused on the free, and by the retry after it"
+        );
+        assert!(
+            engine
+                .status_line()
+                .contains("1 object the device refused to destroy"),
+            "{}",
+            engine.status_line()
+        );
+        assert_eq!(
+            peer.write(addr, rkey),
+            WcStatus::Success,
+            "as on rxe, the window still works while the registration stays"
+        );
+        assert_eq!(engine.retry_lingering(), 1, "still refused");
+        assert_eq!(engine.lingering()[0].1.attempts, 3);
+
+        drop(window);
+        drop(bound_through);
+        drop(peer);
+        drop(record);
+        // The next teardown retries: the registration goes.
+        engine.registry.close_sessions_of(":1.1");
+        assert!(engine.lingering().is_empty());
+        assert_eq!(device.object_counts(), baseline);
     }
 
     const POOL: &str = "[[pool]]\nname = \"p\"\ncapacity = \"64MiB\"\n\

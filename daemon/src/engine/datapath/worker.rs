@@ -530,7 +530,7 @@ fn run(
         // added (`add`, then `run`) then always finds it served.
         let pending = std::mem::take(&mut *lock(commands));
         let wanted = *lock(&shared.wanted);
-        if wanted != seen {
+        if wanted != seen && !handback_held(&qps, shared) {
             let current = lock(&shared.qps).clone();
             qps.retain(|q| current.iter().any(|(id, _)| *id == q.id));
             for (id, record) in current {
@@ -576,6 +576,16 @@ fn run(
         }
         sleep(&mut qps, wake);
         last_work = Instant::now();
+    }
+}
+
+/// Whether this change lets go of a QP while a test holds the hand-back back (debug builds
+/// only, see `test_hooks`): the worker then goes on serving what it has.
+fn handback_held(qps: &[QpState], shared: &WorkerQps) -> bool {
+    crate::test_hooks::hold_handback() && {
+        let current = lock(&shared.qps);
+        qps.iter()
+            .any(|q| current.iter().all(|(id, _)| *id != q.id))
     }
 }
 
