@@ -43,6 +43,8 @@ pub struct Daemon {
     pub config_path: PathBuf,
     pub notify: Option<NotifySocket>,
     stderr: Arc<Mutex<String>>,
+    /// Told of every line the daemon writes to stderr.
+    stderr_lines: Arc<tokio::sync::Notify>,
     /// Copies stderr into `stderr`; ends when the daemon closes it.
     stderr_reader: Option<tokio::task::JoinHandle<()>>,
     _dir: tempfile::TempDir,
@@ -87,12 +89,15 @@ impl Daemon {
         let stderr = Arc::new(Mutex::new(String::new()));
         let mut lines = BufReader::new(child.stderr.take().expect("piped stderr")).lines();
         let sink = Arc::clone(&stderr);
+        let stderr_lines = Arc::new(tokio::sync::Notify::new());
+        let told = Arc::clone(&stderr_lines);
         let stderr_reader = tokio::spawn(async move {
             while let Ok(Some(line)) = lines.next_line().await {
                 eprintln!("rdmad: {line}");
                 let mut s = sink.lock().unwrap_or_else(|e| e.into_inner());
                 s.push_str(&line);
                 s.push('\n');
+                told.notify_waiters();
             }
         });
         Daemon {
@@ -100,6 +105,7 @@ impl Daemon {
             config_path,
             notify,
             stderr,
+            stderr_lines,
             stderr_reader: Some(stderr_reader),
             _dir: dir,
         }
@@ -146,6 +152,27 @@ impl Daemon {
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .clone()
+    }
+
+    /// Waits until the daemon has written `count` stderr lines containing `needle`.
+    pub async fn wait_for_stderr(&self, needle: &str, count: usize) {
+        let seen = || self.stderr().matches(needle).count();
+        tokio::time::timeout(TIMEOUT, async {
+            loop {
+                let next = self.stderr_lines.notified();
+                if seen() >= count {
+                    return;
+                }
+                next.await;
+            }
+        })
+        .await
+        .unwrap_or_else(|_| {
+            panic!(
+                "rdmad did not write {count} lines with {needle:?} within {TIMEOUT:?}:\n{}",
+                self.stderr()
+            )
+        });
     }
 
     pub fn signal(&self, signal: nix::sys::signal::Signal) {

@@ -3,6 +3,7 @@
 use rdmad_client::proxy::{DeviceProxy, ManagerProxy};
 use rdmad_client::{device_path, Error, MANAGER_PATH};
 use rdmad_tests::bus::PrivateBus;
+use rdmad_tests::client::Client;
 use rdmad_tests::daemon::{rdmactl, rdmactl_ok, Daemon, DaemonOptions};
 use rdmad_tests::NOBODY;
 use serde_json::Value;
@@ -221,4 +222,57 @@ fn rdmactl_without_a_bus_says_so() {
         stderr.starts_with("rdmactl: cannot connect to the unix:path=/nonexistent/bus bus"),
         "{stderr}"
     );
+}
+
+/// Calls that wait on the device — registering memory, creating a queue pair — run off the
+/// threads that serve the bus: while two clients' calls each take seconds on a slow device
+/// (as many as the daemon has bus threads), a third client's calls are answered at once,
+/// before either of them.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_slow_device_call_never_delays_another_clients_call() {
+    let bus = PrivateBus::start();
+    let daemon = Daemon::start(
+        &bus,
+        DaemonOptions {
+            config: "[[pool]]\nname = \"cold\"\ncapacity = \"1MiB\"\nsize_classes = [\"4KiB\"]\n\
+                     warm = 0\n"
+                .into(),
+            env: vec![("RDMAD_TEST_SLOW_DEVICE_MS", "4000".into())],
+            ..DaemonOptions::default()
+        },
+    )
+    .await;
+    let slow: Vec<Client> = ["alloc cold 4096", "qp loopback0 4 4"]
+        .into_iter()
+        .map(|command| {
+            let mut c = Client::start(&bus, Some(NOBODY));
+            c.ok("open");
+            c.send(command);
+            c
+        })
+        .collect();
+    // Both calls are waiting on the device now.
+    daemon.wait_for_stderr("test hook: ibv_reg_mr", 1).await;
+    daemon.wait_for_stderr("test hook: ibv_create_qp", 1).await;
+    let answered: Vec<_> = slow
+        .into_iter()
+        .map(|mut c| {
+            std::thread::spawn(move || {
+                let answer = c.answer();
+                (answer, std::time::Instant::now(), c)
+            })
+        })
+        .collect();
+    let mut quick = Client::start(&bus, Some(NOBODY));
+    quick.ok("open");
+    quick.ok("sessions");
+    let quick_done = std::time::Instant::now();
+    for thread in answered {
+        let (answer, at, _client) = thread.join().unwrap();
+        assert!(answer.get("ok").is_some(), "{answer}");
+        assert!(
+            quick_done < at,
+            "the quick client was answered only after a slow call ({answer})"
+        );
+    }
 }

@@ -18,6 +18,21 @@ use crate::config::Config;
 use crate::engine::{Engine, RegionId, Removed, SessionId};
 use crate::policy::Caller;
 
+/// Runs engine work that may block — any verbs call (creating, connecting, querying or
+/// destroying queue pairs, reading the device's attributes, ports and GID table),
+/// registering or deregistering memory, waiting for a data-path worker to bind a window or
+/// let go of a queue pair, user and group lookups — on a blocking thread, never on one of
+/// the few threads that serve the bus, so one client's slow call never delays another's.
+pub async fn blocking<T: Send + 'static>(
+    engine: &Arc<Engine>,
+    work: impl FnOnce(&Engine) -> T + Send + 'static,
+) -> Result<T, Error> {
+    let engine = Arc::clone(engine);
+    tokio::task::spawn_blocking(move || work(&engine))
+        .await
+        .map_err(|e| Error::DeviceError(format!("internal error: {e}")))
+}
+
 pub struct Context {
     pub engine: Arc<Engine>,
     pub callers: CallerCache,
@@ -37,17 +52,12 @@ impl Context {
         self.engine.config()
     }
 
-    /// Runs engine work that may block — deregistering memory, destroying queue pairs,
-    /// waiting for the device to bind a window — on a blocking thread, so one client's slow
-    /// teardown never stalls the bus for the others.
+    /// Runs engine work that may block on a blocking thread: see [`blocking`].
     pub async fn blocking<T: Send + 'static>(
         &self,
         work: impl FnOnce(&Engine) -> T + Send + 'static,
     ) -> Result<T, Error> {
-        let engine = Arc::clone(&self.engine);
-        tokio::task::spawn_blocking(move || work(&engine))
-            .await
-            .map_err(|e| Error::DeviceError(format!("internal error: {e}")))
+        blocking(&self.engine, work).await
     }
 
     pub async fn publish_session(

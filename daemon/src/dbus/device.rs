@@ -35,6 +35,21 @@ fn failed(e: ProviderError) -> zbus::fdo::Error {
     zbus::fdo::Error::Failed(provider_error(e).to_string())
 }
 
+impl DeviceObject {
+    /// Asks the device (verbs calls: `ibv_query_device`, `ibv_query_port`,
+    /// `ibv_query_gid`, sysfs reads) on a blocking thread.
+    async fn query<T: Send + 'static>(
+        &self,
+        ask: impl FnOnce(&DeviceEntry) -> Result<T, ProviderError> + Send + 'static,
+    ) -> zbus::fdo::Result<T> {
+        let index = self.index;
+        super::context::blocking(&self.engine, move |e| ask(&e.devices()[index]))
+            .await
+            .map_err(|e| zbus::fdo::Error::Failed(e.to_string()))?
+            .map_err(failed)
+    }
+}
+
 #[interface(name = "org.rdmad1.Device")]
 impl DeviceObject {
     #[zbus(property(emits_changed_signal = "const"))]
@@ -50,14 +65,14 @@ impl DeviceObject {
 
     #[zbus(property(emits_changed_signal = "const"))]
     async fn node_guid(&self) -> zbus::fdo::Result<String> {
-        let attrs = self.entry().device.attributes().map_err(failed)?;
-        Ok(attrs.node_guid_string())
+        self.query(|d| Ok(d.device.attributes()?.node_guid_string()))
+            .await
     }
 
     #[zbus(property(emits_changed_signal = "const"))]
     async fn firmware_version(&self) -> zbus::fdo::Result<String> {
-        let attrs = self.entry().device.attributes().map_err(failed)?;
-        Ok(attrs.firmware_version)
+        self.query(|d| Ok(d.device.attributes()?.firmware_version))
+            .await
     }
 
     /// The port queue pairs are created on.
@@ -68,41 +83,45 @@ impl DeviceObject {
 
     #[zbus(property(emits_changed_signal = "false"))]
     async fn ports(&self) -> zbus::fdo::Result<Vec<PortInfo>> {
-        let device = &self.entry().device;
-        let count = device.attributes().map_err(failed)?.port_count;
-        (1..=count)
-            .map(|port| {
-                let p = device.query_port(port).map_err(failed)?;
-                Ok(PortInfo {
-                    port: p.port,
-                    state: p.state.as_str().to_owned(),
-                    physical_state: p.physical_state.to_owned(),
-                    active_mtu: p.active_mtu,
-                    max_mtu: p.max_mtu,
-                    lid: p.lid,
-                    link_layer: p.link_layer.as_str().to_owned(),
+        self.query(|d| {
+            let count = d.device.attributes()?.port_count;
+            (1..=count)
+                .map(|port| {
+                    let p = d.device.query_port(port)?;
+                    Ok(PortInfo {
+                        port: p.port,
+                        state: p.state.as_str().to_owned(),
+                        physical_state: p.physical_state.to_owned(),
+                        active_mtu: p.active_mtu,
+                        max_mtu: p.max_mtu,
+                        lid: p.lid,
+                        link_layer: p.link_layer.as_str().to_owned(),
+                    })
                 })
-            })
-            .collect()
+                .collect()
+        })
+        .await
     }
 
     /// Populated GID table entries of every port.
     #[zbus(property(emits_changed_signal = "false"))]
     async fn gids(&self) -> zbus::fdo::Result<Vec<GidEntry>> {
-        let device = &self.entry().device;
-        let count = device.attributes().map_err(failed)?.port_count;
-        let mut out = Vec::new();
-        for port in 1..=count {
-            for g in device.gid_table(port).map_err(failed)? {
-                out.push(GidEntry {
-                    port,
-                    index: g.index,
-                    gid: g.gid.to_string(),
-                    gid_type: g.gid_type.as_str().to_owned(),
-                });
+        self.query(|d| {
+            let count = d.device.attributes()?.port_count;
+            let mut out = Vec::new();
+            for port in 1..=count {
+                for g in d.device.gid_table(port)? {
+                    out.push(GidEntry {
+                        port,
+                        index: g.index,
+                        gid: g.gid.to_string(),
+                        gid_type: g.gid_type.as_str().to_owned(),
+                    });
+                }
             }
-        }
-        Ok(out)
+            Ok(out)
+        })
+        .await
     }
 
     /// Registrations and windows the device refused to destroy: rdmad keeps them (their
@@ -127,7 +146,7 @@ impl DeviceObject {
 
     #[zbus(property(emits_changed_signal = "const"))]
     async fn capabilities(&self) -> zbus::fdo::Result<Capabilities> {
-        let a = self.entry().device.attributes().map_err(failed)?;
+        let a = self.query(|d| d.device.attributes()).await?;
         Ok(Capabilities {
             max_qp: a.max_qp,
             max_qp_wr: a.max_qp_wr,

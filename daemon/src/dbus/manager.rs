@@ -134,11 +134,17 @@ impl Manager {
         #[zbus(connection)] connection: &Connection,
     ) -> Result<Vec<QueuePairInfo>, Error> {
         let caller = self.ctx.caller(connection, &header).await?;
-        let qps = self.ctx.engine.registry.qps(&self.ctx.config(), &caller);
-        Ok(qps
-            .iter()
-            .map(|(id, q)| super::queue_pair::info(*id, q))
-            .collect())
+        let config = self.ctx.config();
+        // Each state comes from the device (ibv_query_qp).
+        self.ctx
+            .blocking(move |e| {
+                e.registry
+                    .qps(&config, &caller)
+                    .iter()
+                    .map(|(id, q)| super::queue_pair::info(*id, q))
+                    .collect()
+            })
+            .await
     }
 
     async fn list_pools(&self) -> Vec<PoolInfo> {

@@ -129,9 +129,13 @@ impl QueuePairObject {
         let caller = self.ctx.caller(connection, &header).await?;
         let q = self.ctx.engine.registry.own_qp(&caller, self.id)?;
         let peer = remote_endpoint(&remote)?;
-        let entry = self.ctx.engine.device(&q.device)?;
         let mtu = q.local.mtu.min(remote.mtu);
-        q.connect_with_mtu(entry.device.as_ref(), peer, mtu)?;
+        self.ctx
+            .blocking(move |e| {
+                let entry = e.device(&q.device)?;
+                q.connect_with_mtu(entry.device.as_ref(), peer, mtu)
+            })
+            .await??;
         tracing::info!(qp = self.id, peer = %remote.gid, peer_qpn = remote.qp_num, "queue pair connected");
         Ok(())
     }
@@ -163,6 +167,8 @@ impl QueuePairObject {
     ) -> Result<QueuePairInfo, Error> {
         let caller = self.ctx.caller(connection, &header).await?;
         let q = self.ctx.engine.registry.own_qp(&caller, self.id)?;
-        Ok(info(self.id, &q))
+        let id = self.id;
+        // The state comes from the device (ibv_query_qp).
+        self.ctx.blocking(move |_| info(id, &q)).await
     }
 }

@@ -67,12 +67,12 @@ impl SessionObject {
     ) -> Result<(OwnedObjectPath, OwnedFd, u64), Error> {
         Options::new("AllocateRegion", &options, &[])?;
         let caller = self.ctx.caller(connection, &header).await?;
-        let engine = &self.ctx.engine;
-        let pool = Arc::clone(engine.pool(pool)?);
-        let handout =
-            engine
-                .registry
-                .allocate(&self.ctx.config(), &caller, self.id, &pool, size)?;
+        let pool = Arc::clone(self.ctx.engine.pool(pool)?);
+        let (id, config, allocating) = (self.id, self.ctx.config(), caller.clone());
+        let handout = self
+            .ctx
+            .blocking(move |e| e.registry.allocate(&config, &allocating, id, &pool, size))
+            .await??;
         self.ctx
             .publish_region(server, &caller, handout.region)
             .await?;
@@ -100,7 +100,11 @@ impl SessionObject {
     ) -> Result<(OwnedObjectPath, OwnedFd, u64, String), Error> {
         Options::new("AttachRegion", &options, &[])?;
         let caller = self.ctx.caller(connection, &header).await?;
-        let handout = self.ctx.engine.registry.attach(&caller, self.id, key)?;
+        let (id, key) = (self.id, key.to_owned());
+        let handout = self
+            .ctx
+            .blocking(move |e| e.registry.attach(&caller, id, &key))
+            .await??;
         tracing::info!(
             session = self.id,
             region = handout.region,
@@ -150,8 +154,11 @@ impl SessionObject {
             }
         }
         let caller = self.ctx.caller(connection, &header).await?;
-        let engine = &self.ctx.engine;
-        let (id, q) = engine.create_qp(&caller, self.id, device, qp_options)?;
+        let (session, creating, on) = (self.id, caller.clone(), device.to_owned());
+        let (id, q) = self
+            .ctx
+            .blocking(move |e| e.create_qp(&creating, session, &on, qp_options))
+            .await??;
         let dup = |fd: std::os::fd::BorrowedFd<'_>| {
             fd.try_clone_to_owned()
                 .map(OwnedFd::from)
