@@ -319,7 +319,7 @@ impl QpState {
         }
         if delivered > 0 {
             let _ = ring.store_u32(header::CQ_TAIL, self.cq_tail);
-            let _ = nix::unistd::write(self.record.completion_event.as_fd(), &1u64.to_ne_bytes());
+            self.record.completion_event.signal();
         }
         if self.waiting || !self.backlog.is_empty() {
             self.store_flags(false);
@@ -587,7 +587,7 @@ fn sleep(qps: &mut [QpState], wake: &OwnedFd) {
         q.store_flags(true);
         let _ = q.record.cq.arm();
         let _ = epoll.add(
-            q.record.doorbell.as_fd(),
+            q.record.doorbell.daemon_end(),
             EpollEvent::new(EpollFlags::EPOLLIN, 0),
         );
         let _ = epoll.add(
@@ -608,7 +608,7 @@ fn sleep(qps: &mut [QpState], wake: &OwnedFd) {
     drain(wake.as_fd());
     for q in qps.iter_mut() {
         q.store_flags(false);
-        drain(q.record.doorbell.as_fd());
+        q.record.doorbell.drain();
         let _ = q.record.cq.acknowledge_events();
     }
 }
@@ -630,8 +630,11 @@ mod tests {
     fn ring_of(q: &QueuePairRecord) -> QueuePairRing {
         QueuePairRing::new(
             q.ring.fd().try_clone_to_owned().unwrap(),
-            q.doorbell.try_clone().unwrap(),
-            q.completion_event.try_clone().unwrap(),
+            q.doorbell.client_end().try_clone_to_owned().unwrap(),
+            q.completion_event
+                .client_end()
+                .try_clone_to_owned()
+                .unwrap(),
             RingInfo {
                 size: q.ring.len() as u64,
                 sq_entries: q.layout.sq_entries,
