@@ -191,6 +191,12 @@ pub trait MemoryWindow: Send + Sync + fmt::Debug {
 pub trait CompletionQueue: Send + Sync + fmt::Debug {
     /// Moves up to `max` completions into `out` (appending); returns how many.
     fn poll(&self, out: &mut Vec<WorkCompletion>, max: usize) -> Result<usize>;
+    /// Whether work feeding this CQ is under way that moves on only when the CQ is polled
+    /// (a software device run by its users, in bounded turns): its poller must not sleep
+    /// yet. A hardware device works on its own and never needs this.
+    fn needs_polling(&self) -> bool {
+        false
+    }
     /// Requests an event on `event_fd` for the next completion (`ibv_req_notify_cq`).
     fn arm(&self) -> Result<()>;
     /// A non-blocking descriptor that becomes readable when an armed CQ gets a completion.

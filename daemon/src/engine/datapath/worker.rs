@@ -90,7 +90,7 @@ impl QpState {
                 .load_u32(header::CQ_HEAD)
                 .map(|head| self.cq_tail.wrapping_sub(head) < self.record.layout.cq_entries)
                 .unwrap_or(false);
-        (submitted && self.can_consume()) || room
+        (submitted && self.can_consume()) || room || self.record.cq.needs_polling()
     }
 
     /// Publishes the ring's flags: `SQ_NEED_WAKEUP` as asked, `CQ_WAITING` as the backlog
@@ -561,6 +561,8 @@ fn run(
                 busy |= q.consume(&rights);
             }
             busy |= q.reap();
+            // A software device moves large requests a turn per poll: keep polling.
+            busy |= q.record.cq.needs_polling();
             busy |= q.deliver();
         }
         if busy {
