@@ -123,6 +123,8 @@ pub struct QueuePairRecord {
     /// Written by the daemon after delivering completions.
     pub completion_event: WakePipe,
     pub local: LocalEndpoint,
+    /// The port's largest message: longer requests are refused before the device.
+    pub max_message: u64,
     pub remote: Mutex<Option<RemoteEndpoint>>,
     pub counters: QpCounters,
 }
@@ -219,6 +221,7 @@ pub fn create(
         completion_event: WakePipe::completions()
             .map_err(|e| EngineError::Io(format!("cannot create a completion pipe: {e}")))?,
         local,
+        max_message: port.max_msg_sz,
         remote: Mutex::new(None),
         counters: QpCounters::default(),
     })

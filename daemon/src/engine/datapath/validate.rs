@@ -44,6 +44,19 @@ pub struct Refusal {
     pub detail: u32,
 }
 
+/// Refuses a request longer than `max_message`, the port's largest message, before the
+/// device sees it (`LocalLengthError`, as the device itself would answer).
+pub fn check_length(s: &Submission, max_message: u64) -> Result<(), Refusal> {
+    let len: u64 = s.sges.iter().map(|sge| u64::from(sge.length)).sum();
+    if len > max_message {
+        return Err(Refusal {
+            status: Status::LocalLengthError,
+            detail: 0,
+        });
+    }
+    Ok(())
+}
+
 /// Checks and translates `s`. `wr_id` is the daemon's own id for the request (the client's
 /// stays in the daemon's bookkeeping).
 pub fn check(s: &Submission, rights: &RegionRights, wr_id: u64) -> Result<Checked, Refusal> {

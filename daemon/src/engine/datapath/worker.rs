@@ -29,6 +29,11 @@ pub struct WorkerQps {
     applied_cv: std::sync::Condvar,
 }
 
+/// The most submissions one QP gets taken in one pass of the worker: a QP with a full ring
+/// waits for the next pass like every other, so each pass over N busy QPs costs at most N
+/// such batches (and, on a software device, N turns of bounded copying).
+const TAKE_PER_PASS: u32 = 64;
+
 /// A request the device is working on: what the client called it, and what it pins.
 struct InFlight {
     client_wr_id: u64,
@@ -153,7 +158,7 @@ impl QpState {
         let mut sends = Vec::new();
         let mut recvs = Vec::new();
         let mut staged = Vec::new();
-        for _ in 0..pending {
+        for _ in 0..pending.min(TAKE_PER_PASS) {
             let mut bytes = [0u8; SQE_SIZE];
             // Copy first: the client may rewrite the slot at any moment.
             if ring.read_at(layout.sqe(self.sq_head), &mut bytes).is_err() {
@@ -185,7 +190,9 @@ impl QpState {
                 continue;
             }
             let wr = self.next_wr;
-            match validate::check(&sub, rights, wr) {
+            match validate::check_length(&sub, self.record.max_message)
+                .and_then(|()| validate::check(&sub, rights, wr))
+            {
                 Ok(checked) => {
                     self.next_wr += 1;
                     match checked.work {
