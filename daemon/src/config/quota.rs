@@ -35,6 +35,8 @@ pub struct QuotaLimits {
     pub keys: Option<u64>,
     /// Queue pairs.
     pub qps: Option<u64>,
+    /// Live exports: memory windows bound over regions for peers (`ExportRemote`).
+    pub exports: Option<u64>,
 }
 
 /// The limits a resource kind has, in the order they are reported.
@@ -45,15 +47,17 @@ pub enum QuotaKind {
     RegisteredBytes,
     Keys,
     Qps,
+    Exports,
 }
 
 impl QuotaKind {
-    pub const ALL: [QuotaKind; 5] = [
+    pub const ALL: [QuotaKind; 6] = [
         QuotaKind::Sessions,
         QuotaKind::Regions,
         QuotaKind::RegisteredBytes,
         QuotaKind::Keys,
         QuotaKind::Qps,
+        QuotaKind::Exports,
     ];
 
     /// The key in a quota table.
@@ -64,6 +68,7 @@ impl QuotaKind {
             QuotaKind::RegisteredBytes => "registered_bytes",
             QuotaKind::Keys => "keys",
             QuotaKind::Qps => "qps",
+            QuotaKind::Exports => "exports",
         }
     }
 
@@ -75,6 +80,9 @@ impl QuotaKind {
             QuotaKind::RegisteredBytes => 4 << 30,
             QuotaKind::Keys => 4096,
             QuotaKind::Qps => 256,
+            // A device's windows (max_mw: 524,287 on rxe and loopback, millions on
+            // ConnectX) last for 511 users at this limit.
+            QuotaKind::Exports => 1024,
         }
     }
 
@@ -95,6 +103,7 @@ impl QuotaLimits {
             QuotaKind::RegisteredBytes => self.registered_bytes.map(|b| b.0),
             QuotaKind::Keys => self.keys,
             QuotaKind::Qps => self.qps,
+            QuotaKind::Exports => self.exports,
         }
     }
 

@@ -173,8 +173,10 @@ impl Engine {
     }
 
     /// Binds a type-2 window over region `region` through QP `qp` (both the caller's, on
-    /// one device, the QP connected) so the QP's peer can reach it with `access`. Returns
-    /// the export id and what the peer needs: `(addr, rkey, length)`.
+    /// one device, the QP connected) so the QP's peer can reach it with `access`, within
+    /// the caller's `exports` quota. Every call binds a window of its own, with its own
+    /// rkey and export id. Returns the export id and what the peer needs:
+    /// `(addr, rkey, length)`.
     pub fn export_remote(
         &self,
         caller: &crate::policy::Caller,
@@ -182,7 +184,8 @@ impl Engine {
         qp_id: qp::QpId,
         access: crate::provider::Access,
     ) -> Result<(qp::ExportId, u64, u32, u64), EngineError> {
-        use crate::provider::{MwType, QpState, SendOp};
+        use crate::config::QuotaKind;
+        use crate::provider::QpState;
         let q = self.registry.own_qp(caller, qp_id)?;
         let (mr, device) = self.registry.own_region_mr(caller, region)?;
         if device != q.device {
@@ -196,6 +199,36 @@ impl Engine {
                 "queue pair {qp_id} is not connected: Connect it before exporting through it"
             )));
         }
+        self.registry
+            .reserve(&self.config(), caller, QuotaKind::Exports, 1)?;
+        let bound = self
+            .bind_window(caller, region, qp_id, &q, &mr, access)
+            .and_then(|window| {
+                let rkey = window.rkey();
+                Ok((self.registry.add_export(region, qp_id, window)?, rkey))
+            });
+        match bound {
+            Ok((export, rkey)) => Ok((export, mr.addr(), rkey, mr.len() as u64)),
+            Err(e) => {
+                self.registry
+                    .unreserve(caller.uid, &[(QuotaKind::Exports, 1)]);
+                Err(e)
+            }
+        }
+    }
+
+    /// Allocates a type-2 window and binds it over `mr` through QP `qp_id` (the
+    /// device's worker posts the bind).
+    fn bind_window(
+        &self,
+        caller: &crate::policy::Caller,
+        region: RegionId,
+        qp_id: qp::QpId,
+        q: &qp::QueuePairRecord,
+        mr: &Arc<dyn crate::provider::MemoryRegion>,
+        access: crate::provider::Access,
+    ) -> Result<Arc<dyn crate::provider::MemoryWindow>, EngineError> {
+        use crate::provider::{MwType, SendOp};
         let entry = self.device(&q.device)?;
         let window = entry.pd.alloc_mw(MwType::Type2)?;
         let worker = self
@@ -207,7 +240,7 @@ impl Engine {
                 qp_id,
                 SendOp::BindMw {
                     mw: Arc::clone(&window),
-                    mr: Arc::clone(&mr),
+                    mr: Arc::clone(mr),
                     addr: mr.addr(),
                     len: mr.len() as u64,
                     access,
@@ -223,9 +256,7 @@ impl Engine {
                     EngineError::Io(format!("cannot bind a window over region {region}: {e}"))
                 }
             })?;
-        let rkey = window.rkey();
-        let export = self.registry.add_export(region, qp_id, window)?;
-        Ok((export, mr.addr(), rkey, mr.len() as u64))
+        Ok(window)
     }
 
     /// Invalidates and releases an export: the peer's rkey stops working.

@@ -141,6 +141,7 @@ fn describe(kind: QuotaKind) -> &'static str {
         QuotaKind::RegisteredBytes => "registered bytes",
         QuotaKind::Keys => "access keys",
         QuotaKind::Qps => "queue pairs",
+        QuotaKind::Exports => "exports (memory windows)",
     }
 }
 
