@@ -72,12 +72,15 @@ impl QuotaKind {
         }
     }
 
-    /// The built-in limit when `[quota.default]` does not set one.
+    /// The built-in limit when `[quota.default]` does not set one. Each is small enough
+    /// that one user at the limit leaves most of what it draws on to the others (see
+    /// docs/regions.md, "Sizing pools and quotas").
     pub fn builtin(self) -> u64 {
         match self {
             QuotaKind::Sessions => 64,
             QuotaKind::Regions => 4096,
-            QuotaKind::RegisteredBytes => 4 << 30,
+            // A quarter of the built-in pool (1 GiB): no one user fills it.
+            QuotaKind::RegisteredBytes => 256 << 20,
             QuotaKind::Keys => 4096,
             QuotaKind::Qps => 256,
             // A device's windows (max_mw: 524,287 on rxe and loopback, millions on

@@ -17,9 +17,9 @@ pub use devices::{open_devices, DeviceEntry, DeviceSelection};
 pub use pool::{Pool, PoolStats};
 pub use registry::{AttachMode, Handout, KeyId, RegionId, Registry, Removed, SessionId};
 
-use crate::config::{Config, ConfigError, ProviderChoice};
+use crate::config::{Config, ConfigError, PoolConfig, ProviderChoice};
 use crate::lock::lock;
-use crate::policy::quota::QuotaError;
+use crate::policy::quota::{Capacity, OversizedQuota, QuotaError};
 use crate::provider::{ObjectCounts, ProviderError};
 
 #[derive(Debug, thiserror::Error)]
@@ -109,7 +109,7 @@ impl Engine {
                 worker.remove(ids);
             }
         }));
-        Ok(Engine {
+        let engine = Engine {
             registry,
             workers,
             pools,
@@ -120,7 +120,33 @@ impl Engine {
             config_path,
             started: SystemTime::now(),
             reloads: AtomicU32::new(0),
-        })
+        };
+        engine.warn_of_oversized_quotas(&engine.config());
+        Ok(engine)
+    }
+
+    /// The quotas of `config` under which one user could take a whole pool served here,
+    /// or every memory window of a device.
+    pub fn oversized_quotas(&self, config: &Config) -> Vec<OversizedQuota> {
+        let pools: Vec<PoolConfig> = self.pools.iter().map(|p| p.config.clone()).collect();
+        let devices: Vec<Capacity> = self
+            .devices
+            .iter()
+            .filter_map(|d| {
+                Some(Capacity {
+                    name: d.device.name().to_owned(),
+                    amount: u64::from(d.device.attributes().ok()?.max_mw),
+                })
+            })
+            .collect();
+        crate::policy::quota::oversized(config, &pools, &devices)
+    }
+
+    /// One warning per quota that protects nothing (see [`Engine::oversized_quotas`]).
+    fn warn_of_oversized_quotas(&self, config: &Config) {
+        for q in self.oversized_quotas(config) {
+            tracing::warn!(table = %q.table, key = q.kind.key(), "{q}");
+        }
     }
 
     pub fn devices(&self) -> &[DeviceEntry] {
@@ -343,7 +369,9 @@ impl Engine {
             needs_restart.push("[[pool]]".to_owned());
         }
         *slot = Arc::clone(&new);
+        drop(slot);
         self.reloads.fetch_add(1, Ordering::Relaxed);
+        self.warn_of_oversized_quotas(&new);
         Ok((new, needs_restart))
     }
 

@@ -1162,12 +1162,11 @@ impl Registry {
 /// Pool ACL: everyone when the pool lists no users and no groups.
 fn check_pool_access(pool: &Pool, caller: &Caller) -> Result<(), EngineError> {
     let c = &pool.config;
-    if c.users.is_empty() && c.groups.is_empty() {
+    if c.open_to_everyone() {
         return Ok(());
     }
     let user = quota::user_name(caller.uid);
-    let in_group = c.groups.iter().any(|g| policy::in_group(g, &caller.gids));
-    if c.users.contains(&user) || in_group {
+    if policy::pool_admits(c, &user, &caller.gids) {
         return Ok(());
     }
     Err(not_authorized(format!(
