@@ -1330,7 +1330,6 @@ mod tests {
             ProviderChoice::Loopback,
             &format!("{COLD_POOL}[quota.default]\nexports = 2\n"),
         );
-        let engine = Arc::new(engine);
         let pool = Arc::clone(engine.pool("p").unwrap());
         let device = Arc::clone(&engine.devices()[0].device);
         let exports = |uid| engine.registry.usage(uid).get(QuotaKind::Exports);
@@ -1338,14 +1337,14 @@ mod tests {
         let bob = caller(1001, ":1.2");
         let s = engine.registry.open_session(&config, &alice).unwrap();
         let qps = connected_pair(&engine, &alice, s);
-        let region = |engine: &Engine| {
+        let region = || {
             engine
                 .registry
                 .allocate(&config, &alice, s, &pool, 4096)
                 .unwrap()
                 .region
         };
-        let r = region(&engine);
+        let r = region();
         let mws = device.object_counts().mws;
 
         let (first, _, rkey1, _) = engine
@@ -1405,8 +1404,8 @@ mod tests {
         engine.registry.free(&alice, r).unwrap();
         assert_eq!(exports(1000), 0);
         // Destroying the QP gives back what was exported through it; the region stays.
-        let r = region(&engine);
-        engine
+        let r = region();
+        let (through_destroyed, ..) = engine
             .export_remote(&alice, r, qps[0], Access::REMOTE_WRITE)
             .unwrap();
         engine
@@ -1415,9 +1414,13 @@ mod tests {
         engine.registry.destroy_qp(&alice, qps[0]).unwrap();
         assert_eq!(exports(1000), 1);
         assert!(
-            engine.release_export(&alice, r, second).is_err(),
+            matches!(
+                engine.release_export(&alice, r, through_destroyed),
+                Err(EngineError::NoSuchObject(_))
+            ),
             "an export of a destroyed QP is gone"
         );
+        assert_eq!(exports(1000), 1, "and gives nothing back twice");
         // Closing the session gives back the rest.
         engine.registry.close_sessions_of(":1.1");
         assert_eq!(exports(1000), 0);
