@@ -72,9 +72,10 @@ impl QuotaKind {
         }
     }
 
-    /// The built-in limit when `[quota.default]` does not set one. Each is small enough
-    /// that one user at the limit leaves most of what it draws on to the others (see
-    /// docs/regions.md, "Sizing pools and quotas").
+    /// The built-in limit when `[quota.default]` does not set one. Those of shared
+    /// resources are small enough that one user at the limit leaves most of the built-in
+    /// pool, or of a device's memory windows, to the others (see docs/regions.md, "Sizing
+    /// pools and quotas").
     pub fn builtin(self) -> u64 {
         match self {
             QuotaKind::Sessions => 64,

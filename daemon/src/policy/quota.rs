@@ -1,4 +1,5 @@
-//! Quota limits as they apply to one user, and the check made before anything is created.
+//! Quota limits as they apply to one user, the check made before anything is created, and
+//! the check that a quota leaves a shared pool (or a device's windows) to more than one user.
 
 use std::fmt;
 
