@@ -471,6 +471,17 @@ mod tests {
         );
     }
 
+    /// `(table, [pool])` of every oversized `registered_bytes` in `c`'s own pools.
+    fn tables_and_pools(c: &Config) -> Vec<(String, Vec<String>)> {
+        oversized(c, &c.effective_pools(), &[])
+            .into_iter()
+            .map(|q| {
+                let pools = q.capacities.into_iter().map(|p| p.name).collect();
+                (q.table, pools)
+            })
+            .collect()
+    }
+
     /// Each table is compared with the pools its users may use: a pool's access list
     /// decides, and a pool nobody under the table may use does not protect it.
     #[test]
@@ -488,13 +499,7 @@ mod tests {
              [quota.group.nogroup]\nregistered_bytes = \"512MiB\"\n\
              [quota.user.daemon]\nregions = 10\n",
         );
-        let found: Vec<(String, Vec<String>)> = oversized(&c, &c.effective_pools(), &[])
-            .into_iter()
-            .map(|q| {
-                let pools = q.capacities.into_iter().map(|p| p.name).collect();
-                (q.table, pools)
-            })
-            .collect();
+        let found = tables_and_pools(&c);
         assert_eq!(
             found,
             vec![
@@ -513,13 +518,7 @@ mod tests {
              [quota.group.root]\nregistered_bytes = \"10GiB\"\n\
              [quota.group.nogroup]\nregistered_bytes = \"10GiB\"\n",
         );
-        let found: Vec<(String, Vec<String>)> = oversized(&c, &c.effective_pools(), &[])
-            .into_iter()
-            .map(|q| {
-                let pools = q.capacities.into_iter().map(|p| p.name).collect();
-                (q.table, pools)
-            })
-            .collect();
+        let found = tables_and_pools(&c);
         // root, a member of group root, may use rootonly; no member of nogroup may use any
         // pool, so it has nothing to fill. Every pool has an access list, so the built-in
         // default (256MiB) is compared with all of them.
