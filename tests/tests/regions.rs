@@ -363,7 +363,25 @@ mod bodies {
             .unwrap()
             .iter()
             .any(|s| s["uid"] == NOBODY && s["regions"] == 1));
-        assert_eq!(admin.ok("quota 65534").as_array().unwrap().len(), 5);
+        let names: Vec<Value> = admin
+            .ok("quota 65534")
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|q| q["name"].clone())
+            .collect();
+        assert_eq!(
+            names,
+            [
+                "sessions",
+                "regions",
+                "registered_bytes",
+                "keys",
+                "qps",
+                "exports"
+            ],
+            "every limit, in the documented order"
+        );
         admin.ok(&format!("close-session {session}"));
         owner.err("info 0", "org.freedesktop.DBus.Error.UnknownObject");
         let _: Value = admin.ok("regions");
