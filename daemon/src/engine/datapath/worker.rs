@@ -213,21 +213,31 @@ impl QpState {
             }
         }
         let _ = ring.store_u32(header::SQ_HEAD, self.sq_head);
-        let mut posted = HashMap::new();
+        // Exactly the requests the device took are in flight (and keep their regions
+        // pinned until they complete); the rest of a batch it stopped part-way is refused.
+        let mut posted = std::collections::HashSet::new();
         if !recvs.is_empty() {
-            match self.record.qp.post_recv(&recvs) {
-                Ok(()) => posted.extend(recvs.iter().map(|w| (w.wr_id, ()))),
-                Err(e) => tracing::debug!(qp = self.id, "post_recv: {e}"),
-            }
+            let n = match self.record.qp.post_recv(&recvs) {
+                Ok(()) => recvs.len(),
+                Err(e) => {
+                    tracing::debug!(qp = self.id, "post_recv: {e}");
+                    e.posted
+                }
+            };
+            posted.extend(recvs.iter().take(n).map(|w| w.wr_id));
         }
         if !sends.is_empty() {
-            match self.record.qp.post_send(&sends) {
-                Ok(()) => posted.extend(sends.iter().map(|w| (w.wr_id, ()))),
-                Err(e) => tracing::debug!(qp = self.id, "post_send: {e}"),
-            }
+            let n = match self.record.qp.post_send(&sends) {
+                Ok(()) => sends.len(),
+                Err(e) => {
+                    tracing::debug!(qp = self.id, "post_send: {e}");
+                    e.posted
+                }
+            };
+            posted.extend(sends.iter().take(n).map(|w| w.wr_id));
         }
         for (wr, flight) in staged {
-            if posted.contains_key(&wr) {
+            if posted.contains(&wr) {
                 if flight.opcode == Opcode::Recv {
                     self.recvs += 1;
                 } else {

@@ -42,9 +42,9 @@ use crate::lock::lock;
 use crate::memory::SharedMemory;
 use crate::provider::counters::Tracked;
 use crate::provider::{
-    Access, CompletionQueue, MemoryRegion, MemoryWindow, MwType, ObjectKind, ProviderError, QpInit,
-    QpState, QueuePair, RecvWr, RemoteEndpoint, Result, RtrAttributes, RtsAttributes, SendOp,
-    SendWr, Sge, WcOpcode, WcStatus, WorkCompletion,
+    Access, CompletionQueue, MemoryRegion, MemoryWindow, MwType, ObjectKind, PostError,
+    ProviderError, QpInit, QpState, QueuePair, RecvWr, RemoteEndpoint, Result, RtrAttributes,
+    RtsAttributes, SendOp, SendWr, Sge, WcOpcode, WcStatus, WorkCompletion,
 };
 
 /// Check RDMA accesses through a window against the window's own range as well as its
@@ -1293,7 +1293,7 @@ impl QueuePair for LoopbackQp {
         Ok(())
     }
 
-    fn post_send(&self, wrs: &[SendWr]) -> Result<()> {
+    fn post_send(&self, wrs: &[SendWr]) -> Result<(), PostError> {
         let mut posted = 0;
         let mut refused = None;
         {
@@ -1301,10 +1301,10 @@ impl QueuePair for LoopbackQp {
             if !matches!(data.state, QpState::Rts | QpState::Error) {
                 // rxe: EINVAL before the send queue is ready. An ERROR QP accepts work and
                 // flushes it.
-                return Err(self.invalid(format!(
+                return Err(PostError::none(self.invalid(format!(
                     "post_send in state {:?}: sends need RTS",
                     data.state
-                )));
+                ))));
             }
             for wr in wrs {
                 if let Err(message) = self.check_bind(wr) {
@@ -1346,17 +1346,19 @@ impl QueuePair for LoopbackQp {
         if posted > 0 {
             self.kick_self_and(None);
         }
-        refused.map_or(Ok(()), Err)
+        refused.map_or(Ok(()), |error| Err(PostError { posted, error }))
     }
 
-    fn post_recv(&self, wrs: &[RecvWr]) -> Result<()> {
+    fn post_recv(&self, wrs: &[RecvWr]) -> Result<(), PostError> {
         let mut posted = 0;
         let mut refused = None;
         let peer;
         {
             let mut data = lock(&self.inner.data);
             if data.state == QpState::Reset {
-                return Err(self.invalid("post_recv in state Reset".to_owned()));
+                return Err(PostError::none(
+                    self.invalid("post_recv in state Reset".to_owned()),
+                ));
             }
             peer = data.remote.as_ref().map(|r| r.qp_num);
             for wr in wrs {
@@ -1388,7 +1390,7 @@ impl QueuePair for LoopbackQp {
             // Flushes us if we are in error; lets a peer waiting on RNR deliver.
             self.kick_self_and(peer);
         }
-        refused.map_or(Ok(()), Err)
+        refused.map_or(Ok(()), |error| Err(PostError { posted, error }))
     }
 
     fn as_any(&self) -> &dyn std::any::Any {
