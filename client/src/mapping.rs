@@ -68,15 +68,8 @@ impl RegionMapping {
     /// Copies bytes at `offset` out of the region.
     pub fn read(&self, offset: usize, buf: &mut [u8]) -> io::Result<()> {
         self.check(offset, buf.len())?;
-        // SAFETY: the range is inside the live mapping (checked); a raw copy tolerates
-        // concurrent writers.
-        unsafe {
-            std::ptr::copy_nonoverlapping(
-                self.ptr.as_ptr().add(offset),
-                buf.as_mut_ptr(),
-                buf.len(),
-            )
-        };
+        // SAFETY: the range is inside the live mapping (checked).
+        unsafe { copy_from_shared(self.ptr.as_ptr().add(offset), buf) };
         Ok(())
     }
 
@@ -90,9 +83,7 @@ impl RegionMapping {
         }
         self.check(offset, data.len())?;
         // SAFETY: as in `read`; the mapping is writable.
-        unsafe {
-            std::ptr::copy_nonoverlapping(data.as_ptr(), self.ptr.as_ptr().add(offset), data.len())
-        };
+        unsafe { copy_to_shared(data, self.ptr.as_ptr().add(offset)) };
         Ok(())
     }
 }
@@ -133,9 +124,91 @@ impl RegionMapping {
     }
 }
 
+/// Copies `dst.len()` bytes of shared memory at `src` into `dst`. Another process may write
+/// the source at any time, so every byte is read with an atomic load (aligned 8-byte words
+/// where it can), never with a plain copy the compiler may assume is race-free: the bytes
+/// read are then whatever was there, never undefined behaviour.
+///
+/// # Safety
+/// `src..src + dst.len()` must lie inside one live mapping for the whole call.
+pub unsafe fn copy_from_shared(src: *const u8, dst: &mut [u8]) {
+    use std::sync::atomic::{AtomicU64, AtomicU8, Ordering::Relaxed};
+    let len = dst.len();
+    let head = src.align_offset(8).min(len);
+    let words = (len - head) / 8;
+    for (i, byte) in dst[..head].iter_mut().enumerate() {
+        // SAFETY: inside the mapping (the caller's promise); any address is aligned for u8.
+        *byte = unsafe { AtomicU8::from_ptr(src.add(i).cast_mut()) }.load(Relaxed);
+    }
+    for w in 0..words {
+        let at = head + 8 * w;
+        // SAFETY: inside the mapping, and 8-byte aligned (`head` aligned the source).
+        let word = unsafe { AtomicU64::from_ptr(src.add(at).cast_mut().cast()) }.load(Relaxed);
+        dst[at..at + 8].copy_from_slice(&word.to_ne_bytes());
+    }
+    for (i, byte) in dst.iter_mut().enumerate().skip(head + 8 * words) {
+        // SAFETY: as for the head bytes.
+        *byte = unsafe { AtomicU8::from_ptr(src.add(i).cast_mut()) }.load(Relaxed);
+    }
+}
+
+/// Copies `src` into shared memory at `dst`, with atomic stores (see
+/// [`copy_from_shared`]).
+///
+/// # Safety
+/// `dst..dst + src.len()` must lie inside one live writable mapping for the whole call.
+pub unsafe fn copy_to_shared(src: &[u8], dst: *mut u8) {
+    use std::sync::atomic::{AtomicU64, AtomicU8, Ordering::Relaxed};
+    let len = src.len();
+    let head = dst.align_offset(8).min(len);
+    let words = (len - head) / 8;
+    for (i, &byte) in src[..head].iter().enumerate() {
+        // SAFETY: inside the writable mapping (the caller's promise).
+        unsafe { AtomicU8::from_ptr(dst.add(i)) }.store(byte, Relaxed);
+    }
+    for w in 0..words {
+        let at = head + 8 * w;
+        let word = u64::from_ne_bytes(src[at..at + 8].try_into().expect("8 bytes"));
+        // SAFETY: inside the writable mapping, and 8-byte aligned (`head` aligned it).
+        unsafe { AtomicU64::from_ptr(dst.add(at).cast()) }.store(word, Relaxed);
+    }
+    for (i, &byte) in src.iter().enumerate().skip(head + 8 * words) {
+        // SAFETY: as for the head bytes.
+        unsafe { AtomicU8::from_ptr(dst.add(i)) }.store(byte, Relaxed);
+    }
+}
+
 impl Drop for RegionMapping {
     fn drop(&mut self) {
         // SAFETY: the mapping made in `map`, unmapped only here.
         let _ = unsafe { munmap(self.ptr.cast(), self.len) };
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn shared_copies_handle_every_alignment_and_length() {
+        let source: Vec<u8> = (0..64u8).collect();
+        for start in 0..9 {
+            for len in 0..(64 - start) {
+                let mut out = vec![0xaa; len];
+                // SAFETY: `source` is live and the range lies inside it.
+                unsafe { copy_from_shared(source.as_ptr().add(start), &mut out) };
+                assert_eq!(out, source[start..start + len], "read {start}+{len}");
+                let mut target = vec![0u8; 64];
+                // SAFETY: `target` is live and the range lies inside it.
+                unsafe { copy_to_shared(&source[..len], target.as_mut_ptr().add(start)) };
+                assert_eq!(
+                    &target[start..start + len],
+                    &source[..len],
+                    "write {start}+{len}"
+                );
+                assert!(target[..start].iter().all(|&b| b == 0));
+                assert!(target[start + len..].iter().all(|&b| b == 0));
+            }
+        }
     }
 }

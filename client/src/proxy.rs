@@ -109,8 +109,9 @@ pub trait Session {
         key: &str,
         options: Options<'_>,
     ) -> Result<(OwnedObjectPath, OwnedFd, u64, String), Error>;
-    /// Creates an RC queue pair on `device`: its object, the ring memfd, the doorbell and
-    /// completion eventfds, and the ring's size and depths.
+    /// Creates an RC queue pair on `device`: its object, the ring memfd, the doorbell (a
+    /// pipe's write end) and the completion channel (a pipe's read end), and the ring's size
+    /// and depths.
     fn create_queue_pair(
         &self,
         device: &str,

@@ -72,7 +72,7 @@ impl QueuePairRing {
         // would sleep on a submission.
         std::sync::atomic::fence(std::sync::atomic::Ordering::SeqCst);
         if self.map.load_u32(header::SQ_FLAGS)? & ring::SQ_NEED_WAKEUP != 0 {
-            nix::unistd::write(self.doorbell.as_fd(), &1u64.to_ne_bytes())?;
+            self.ring_doorbell()?;
         }
         Ok(Ok(()))
     }
@@ -82,16 +82,14 @@ impl QueuePairRing {
         self.map.write(self.layout.sqe(self.sq_tail), entry)?;
         self.sq_tail = self.sq_tail.wrapping_add(1);
         self.map.store_u32(header::SQ_TAIL, self.sq_tail)?;
-        nix::unistd::write(self.doorbell.as_fd(), &1u64.to_ne_bytes())?;
-        Ok(())
+        self.ring_doorbell()
     }
 
     /// Publishes an arbitrary submission tail (for testing the daemon's checks).
     pub fn set_tail_raw(&mut self, tail: u32) -> io::Result<()> {
         self.sq_tail = tail;
         self.map.store_u32(header::SQ_TAIL, tail)?;
-        nix::unistd::write(self.doorbell.as_fd(), &1u64.to_ne_bytes())?;
-        Ok(())
+        self.ring_doorbell()
     }
 
     /// The next completion, if one is there.
@@ -107,7 +105,7 @@ impl QueuePairRing {
         // Pairs with the worker's (set flag, fence, load head): one of the two sees the other.
         std::sync::atomic::fence(std::sync::atomic::Ordering::SeqCst);
         if self.map.load_u32(header::SQ_FLAGS)? & ring::CQ_WAITING != 0 {
-            nix::unistd::write(self.doorbell.as_fd(), &1u64.to_ne_bytes())?;
+            self.ring_doorbell()?;
         }
         Completion::decode(&bytes)
             .map(Some)
@@ -131,8 +129,20 @@ impl QueuePairRing {
             )];
             let ms = u16::try_from(left.as_millis().min(1000)).unwrap_or(1000);
             nix::poll::poll(&mut fds, nix::poll::PollTimeout::from(ms))?;
-            let mut buf = [0u8; 8];
-            let _ = nix::unistd::read(std::os::fd::AsRawFd::as_raw_fd(&self.completions), &mut buf);
+            let mut buf = [0u8; 256];
+            match nix::unistd::read(std::os::fd::AsRawFd::as_raw_fd(&self.completions), &mut buf) {
+                Ok(_) | Err(nix::errno::Errno::EAGAIN) => {}
+                Err(e) => return Err(e.into()),
+            }
+        }
+    }
+
+    /// Wakes the daemon's worker: one byte down the doorbell pipe. A full pipe holds a
+    /// wake-up the worker has not read yet.
+    fn ring_doorbell(&self) -> io::Result<()> {
+        match nix::unistd::write(self.doorbell.as_fd(), &[1]) {
+            Ok(_) | Err(nix::errno::Errno::EAGAIN) => Ok(()),
+            Err(e) => Err(e.into()),
         }
     }
 }

@@ -43,8 +43,8 @@ pub mod header {
     pub const SIZE: usize = 448;
 }
 
-/// Set by the daemon when its worker sleeps: the client must write the doorbell eventfd
-/// after publishing submissions (otherwise the busy worker will see them anyway).
+/// Set by the daemon when its worker sleeps: the client must write a byte to the doorbell
+/// pipe after publishing submissions (otherwise the busy worker will see them anyway).
 pub const SQ_NEED_WAKEUP: u32 = 1;
 
 /// Set by the daemon while it holds completions back because the completion ring is full

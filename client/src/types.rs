@@ -150,7 +150,7 @@ pub struct PoolInfo {
 /// One limit of `Manager.GetQuota`.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, Type, Value, OwnedValue)]
 pub struct QuotaEntry {
-    /// `sessions`, `regions`, `registered_bytes` or `keys`.
+    /// `sessions`, `regions`, `registered_bytes`, `keys`, `qps` or `exports`.
     pub name: String,
     pub limit: u64,
     pub used: u64,

@@ -1,6 +1,21 @@
 //! Shared memory that clients map: one memfd per region, sized once and sealed against
 //! shrinking and growing, mapped shared into the daemon. With the ring code, this is where
 //! rdmad's own `unsafe` lives (the verbs provider holds the rest).
+//!
+//! Clients hold the memfd and may do anything to it that its seals allow, at any moment:
+//! write it, punch holes in it (`fallocate(PUNCH_HOLE)`), keep it after the daemon let go.
+//! So the daemon
+//! - copies in and out with atomic accesses ([`rdmad_client::mapping::copy_from_shared`]),
+//!   never with plain copies of memory that races;
+//! - never faults a hugepage-backed file through its own mapping: a punched hugepage is
+//!   refaulted from the system's free hugepages, and when there is none left the fault is a
+//!   `SIGBUS` that would kill the daemon. Hugepage memory is copied by the kernel
+//!   (`process_vm_readv`/`process_vm_writev` on the daemon itself), which answers `EFAULT`
+//!   instead; the copy fails, not the daemon. (A shmem file refaults a zero page: its size
+//!   is sealed, so no access inside it can `SIGBUS`.)
+//! - punches the whole file when it lets go ([`Drop`]), so pages a client kept alive by
+//!   holding the descriptor or a mapping are returned at once; whatever that client later
+//!   writes through a stale mapping is its own memory, charged to it, and reads as zero.
 
 use std::ffi::CStr;
 use std::io;
@@ -17,6 +32,8 @@ pub struct SharedMemory {
     fd: OwnedFd,
     ptr: NonNull<u8>,
     len: usize,
+    /// Backed by hugetlbfs: copied by the kernel, never faulted by the daemon's own loads.
+    hugepages: bool,
 }
 
 // SAFETY: the mapping is plain shared memory owned by this value; concurrent access goes
@@ -82,6 +99,7 @@ impl SharedMemory {
             fd,
             ptr: ptr.cast(),
             len,
+            hugepages,
         })
     }
 
@@ -107,28 +125,57 @@ impl SharedMemory {
         self.fd.as_fd()
     }
 
-    /// Copies `buf.len()` bytes at `offset` out of the mapping.
+    /// Whether the memory is backed by hugepages.
+    pub fn is_hugepages(&self) -> bool {
+        self.hugepages
+    }
+
+    /// Copies `buf.len()` bytes at `offset` out of the mapping. Fails (`EFAULT`) where a
+    /// client punched a hugepage the system cannot give back.
     pub fn read_at(&self, offset: usize, buf: &mut [u8]) -> io::Result<()> {
         self.check_range(offset, buf.len())?;
-        // SAFETY: the range lies inside the live mapping (checked above); the mapping is
-        // shared with other processes, so this is a raw copy, never a reference.
-        unsafe {
-            std::ptr::copy_nonoverlapping(
-                self.ptr.as_ptr().add(offset),
-                buf.as_mut_ptr(),
-                buf.len(),
-            )
-        };
+        if buf.is_empty() {
+            return Ok(());
+        }
+        if self.hugepages {
+            let remote = [nix::sys::uio::RemoteIoVec {
+                base: self.addr() as usize + offset,
+                len: buf.len(),
+            }];
+            let len = buf.len();
+            let done = nix::sys::uio::process_vm_readv(
+                nix::unistd::Pid::this(),
+                &mut [io::IoSliceMut::new(buf)],
+                &remote,
+            )?;
+            return short_copy(done, len);
+        }
+        // SAFETY: the range lies inside the live mapping (checked above), which stays
+        // mapped while `self` lives.
+        unsafe { rdmad_client::mapping::copy_from_shared(self.ptr.as_ptr().add(offset), buf) };
         Ok(())
     }
 
-    /// Copies `data` into the mapping at `offset`.
+    /// Copies `data` into the mapping at `offset` (fails like [`SharedMemory::read_at`]).
     pub fn write_at(&self, offset: usize, data: &[u8]) -> io::Result<()> {
         self.check_range(offset, data.len())?;
-        // SAFETY: as in `read_at`.
-        unsafe {
-            std::ptr::copy_nonoverlapping(data.as_ptr(), self.ptr.as_ptr().add(offset), data.len())
-        };
+        if data.is_empty() {
+            return Ok(());
+        }
+        if self.hugepages {
+            let remote = [nix::sys::uio::RemoteIoVec {
+                base: self.addr() as usize + offset,
+                len: data.len(),
+            }];
+            let done = nix::sys::uio::process_vm_writev(
+                nix::unistd::Pid::this(),
+                &[io::IoSlice::new(data)],
+                &remote,
+            )?;
+            return short_copy(done, data.len());
+        }
+        // SAFETY: as in `read_at`; the mapping is writable.
+        unsafe { rdmad_client::mapping::copy_to_shared(data, self.ptr.as_ptr().add(offset)) };
         Ok(())
     }
 
@@ -177,8 +224,31 @@ impl SharedMemory {
     }
 }
 
+/// A kernel copy that stopped early hit a page it could not fault in.
+fn short_copy(done: usize, wanted: usize) -> io::Result<()> {
+    if done == wanted {
+        Ok(())
+    } else {
+        Err(io::Error::from_raw_os_error(libc::EFAULT))
+    }
+}
+
 impl Drop for SharedMemory {
     fn drop(&mut self) {
+        // Give the pages back now, whoever still holds the file or a mapping of it.
+        let len = libc::off_t::try_from(self.len).unwrap_or(libc::off_t::MAX);
+        if let Err(e) = nix::fcntl::fallocate(
+            std::os::fd::AsRawFd::as_raw_fd(&self.fd),
+            nix::fcntl::FallocateFlags::FALLOC_FL_PUNCH_HOLE
+                | nix::fcntl::FallocateFlags::FALLOC_FL_KEEP_SIZE,
+            0,
+            len,
+        ) {
+            tracing::warn!(
+                "releasing the pages of a {}-byte memfd failed: {e}",
+                self.len
+            );
+        }
         // SAFETY: `ptr`/`len` are the mapping made in `create`, unmapped only here.
         if let Err(e) = unsafe { munmap(self.ptr.cast(), self.len) } {
             tracing::error!("munmap of a {}-byte region failed: {e}", self.len);
@@ -223,6 +293,53 @@ mod tests {
         assert_eq!(u32::from_le_bytes(raw), 7);
         assert!(mem.load_u32(66).is_err(), "unaligned");
         assert!(mem.store_u32(4094, 1).is_err(), "out of range");
+    }
+
+    fn resident_pages(mem: &SharedMemory) -> usize {
+        let pages = mem.len().div_ceil(4096);
+        let mut vec = vec![0u8; pages];
+        // SAFETY: the mapping is live and page aligned, `vec` has one byte per page.
+        let rc = unsafe { libc::mincore(mem.as_ptr().cast(), mem.len(), vec.as_mut_ptr()) };
+        assert_eq!(rc, 0, "mincore: {}", io::Error::last_os_error());
+        vec.iter().filter(|&&b| b & 1 != 0).count()
+    }
+
+    /// A client that keeps the descriptor (and maps it again) after the daemon let go sees
+    /// zeros, never the old contents, and holds no page the daemon faulted.
+    #[test]
+    fn dropping_returns_the_pages_whoever_keeps_the_file() {
+        let mem = SharedMemory::create(c"test", 1 << 20).unwrap();
+        mem.write_at(0, &vec![0x5a; 1 << 20]).unwrap();
+        assert_eq!(resident_pages(&mem), 256);
+        let kept = mem.fd().try_clone_to_owned().unwrap();
+        drop(mem);
+        let stat = nix::sys::stat::fstat(std::os::fd::AsRawFd::as_raw_fd(&kept)).unwrap();
+        assert_eq!(stat.st_size, 1 << 20, "the size stays");
+        assert_eq!(stat.st_blocks, 0, "no page is left allocated in the file");
+        let again = rdmad_client::RegionMapping::map(kept, 1 << 20, true).unwrap();
+        let mut buf = vec![0xffu8; 1 << 20];
+        again.read(0, &mut buf).unwrap();
+        assert!(buf.iter().all(|&b| b == 0), "a stale mapping reads zeros");
+    }
+
+    /// A client punching holes in memory the daemon copies from makes those bytes read as
+    /// zero; the daemon's copy does not fault.
+    #[test]
+    fn a_punched_hole_reads_as_zero() {
+        let mem = SharedMemory::create(c"test", 8192).unwrap();
+        mem.write_at(0, &[7u8; 8192]).unwrap();
+        nix::fcntl::fallocate(
+            std::os::fd::AsRawFd::as_raw_fd(&mem.fd()),
+            nix::fcntl::FallocateFlags::FALLOC_FL_PUNCH_HOLE
+                | nix::fcntl::FallocateFlags::FALLOC_FL_KEEP_SIZE,
+            0,
+            4096,
+        )
+        .unwrap();
+        let mut buf = [9u8; 8192];
+        mem.read_at(0, &mut buf).unwrap();
+        assert!(buf[..4096].iter().all(|&b| b == 0));
+        assert!(buf[4096..].iter().all(|&b| b == 7));
     }
 
     #[test]

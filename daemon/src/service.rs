@@ -19,6 +19,10 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     let config = Config::load_or_default(&args.config)?;
     if args.check_config {
         println!("{}: configuration is valid", args.config.display());
+        // Devices are not opened here: only the pools can be compared.
+        for q in crate::policy::quota::oversized(&config, &config.effective_pools(), &[]) {
+            eprintln!("{}: warning: {q}", args.config.display());
+        }
         return Ok(());
     }
     let log = logging::init(

@@ -43,8 +43,8 @@ pub struct Daemon {
     pub config_path: PathBuf,
     pub notify: Option<NotifySocket>,
     stderr: Arc<Mutex<String>>,
-    /// Told of every line the daemon writes to stderr.
-    stderr_lines: Arc<tokio::sync::Notify>,
+    /// Bumped after every line copied into `stderr`; closed when the daemon closes it.
+    stderr_lines: tokio::sync::watch::Receiver<usize>,
     /// Copies stderr into `stderr`; ends when the daemon closes it.
     stderr_reader: Option<tokio::task::JoinHandle<()>>,
     _dir: tempfile::TempDir,
@@ -89,15 +89,15 @@ impl Daemon {
         let stderr = Arc::new(Mutex::new(String::new()));
         let mut lines = BufReader::new(child.stderr.take().expect("piped stderr")).lines();
         let sink = Arc::clone(&stderr);
-        let stderr_lines = Arc::new(tokio::sync::Notify::new());
-        let told = Arc::clone(&stderr_lines);
+        let (line_count, stderr_lines) = tokio::sync::watch::channel(0);
         let stderr_reader = tokio::spawn(async move {
             while let Ok(Some(line)) = lines.next_line().await {
                 eprintln!("rdmad: {line}");
                 let mut s = sink.lock().unwrap_or_else(|e| e.into_inner());
                 s.push_str(&line);
                 s.push('\n');
-                told.notify_waiters();
+                drop(s);
+                line_count.send_modify(|n| *n += 1);
             }
         });
         Daemon {
@@ -154,25 +154,22 @@ impl Daemon {
             .clone()
     }
 
-    /// Waits until the daemon has written `count` stderr lines containing `needle`.
-    pub async fn wait_for_stderr(&self, needle: &str, count: usize) {
-        let seen = || self.stderr().matches(needle).count();
-        tokio::time::timeout(TIMEOUT, async {
-            loop {
-                let next = self.stderr_lines.notified();
-                if seen() >= count {
-                    return;
-                }
-                next.await;
+    /// Waits until the daemon has written `needle` to stderr `times` times (counting
+    /// lines that contain it); returns everything it wrote up to then. Fails the test if
+    /// stderr closes first or nothing more comes within [`TIMEOUT`].
+    pub async fn wait_for_log(&self, needle: &str, times: usize) -> String {
+        let mut lines = self.stderr_lines.clone();
+        loop {
+            let log = self.stderr();
+            if log.lines().filter(|l| l.contains(needle)).count() >= times {
+                return log;
             }
-        })
-        .await
-        .unwrap_or_else(|_| {
-            panic!(
-                "rdmad did not write {count} lines with {needle:?} within {TIMEOUT:?}:\n{}",
-                self.stderr()
-            )
-        });
+            match tokio::time::timeout(TIMEOUT, lines.changed()).await {
+                Ok(Ok(())) => {}
+                Ok(Err(_)) => panic!("rdmad closed stderr before logging {needle:?}:\n{log}"),
+                Err(_) => panic!("rdmad did not log {needle:?} within {TIMEOUT:?}:\n{log}"),
+            }
+        }
     }
 
     pub fn signal(&self, signal: nix::sys::signal::Signal) {

@@ -1,7 +1,7 @@
 //! Races: client processes whose requests reach the daemon at the same time.
 //!
 //! - Many clients of one uid racing for the last units of every quota (sessions, regions,
-//!   registered bytes, keys, QPs) get exactly the limit between them; everyone else gets
+//!   registered bytes, keys, QPs, exports) get exactly the limit between them; everyone else gets
 //!   `QuotaExceeded`, and `GetQuota` shows the use at the limit, never beyond.
 //! - Free, attach, revoke and export racing on one region, in a random order each round:
 //!   whatever wins, afterwards no key attaches, no rkey reaches the memory, every
@@ -105,7 +105,8 @@ mod bodies {
         let baseline = Baseline::take(&bus, provider).await;
         // (quota key, its limit, what each client does first, what it races with, how often)
         let alloc64 = "alloc default 65536".to_owned();
-        let phases: [(&str, String, &[&str], String, usize); 5] = [
+        let qp = format!("qp {device} 4 4");
+        let phases: [(&str, String, &[&str], String, usize); 6] = [
             ("sessions", LIMIT.to_string(), &[], "open".into(), 2),
             (
                 "regions",
@@ -128,12 +129,14 @@ mod bodies {
                 "share 0 rw".into(),
                 3,
             ),
+            ("qps", LIMIT.to_string(), &["open"], qp.clone(), 2),
+            // Every client exports one region through a QP connected to its other QP.
             (
-                "qps",
+                "exports",
                 LIMIT.to_string(),
-                &["open"],
-                format!("qp {device} 4 4"),
-                2,
+                &["open", "alloc default 4096", &qp, &qp],
+                "export 0 0 rw".into(),
+                3,
             ),
         ];
         for (quota, limit, prepare, race, times) in phases {
@@ -147,6 +150,11 @@ mod bodies {
             for c in &mut clients {
                 for command in prepare {
                     c.ok(command);
+                }
+                if quota == "exports" {
+                    let (e0, e1) = (c.ok("endpoint 0"), c.ok("endpoint 1"));
+                    c.ok(&format!("connect 0 {e1}"));
+                    c.ok(&format!("connect 1 {e0}"));
                 }
             }
             let (before, _) = quota_use(&mut admin, quota);

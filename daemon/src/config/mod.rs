@@ -652,6 +652,8 @@ mod tests {
             ("[daemon]\nworker_spin_us = 5000000\n", 2, "daemon.worker_spin_us", "busy polling"),
             ("[quota.default]\nregions = 100000000000\n", 2, "quota.default.regions", "absurd"),
             ("[quota.default]\nregion = 10\n", 2, "quota.default.region", "unknown field"),
+            ("[quota.user.nobody]\nexports = 100000000000\n", 2, "quota.user.nobody.exports", "absurd"),
+            ("[quota.group.root]\nexports = \"many\"\n", 2, "quota.group.root.exports", "invalid type"),
             ("[quota.user.no-such-user-x]\nregions = 1\n", 1, "quota.user.no-such-user-x", "no user named"),
             ("[quota.group.root]\nregistered_bytes = \"2 PiB\"\n", 2, "quota.group.root.registered_bytes", "unknown unit"),
             // An error toml places at the start of a line is on that line, not the one before.

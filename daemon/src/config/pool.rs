@@ -57,6 +57,11 @@ impl PoolConfig {
         }
     }
 
+    /// Whether the pool lists no users and no groups, so that everyone may use it.
+    pub fn open_to_everyone(&self) -> bool {
+        self.users.is_empty() && self.groups.is_empty()
+    }
+
     pub fn page_size(&self) -> u64 {
         if self.hugepages {
             HUGEPAGE

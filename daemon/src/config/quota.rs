@@ -35,6 +35,8 @@ pub struct QuotaLimits {
     pub keys: Option<u64>,
     /// Queue pairs.
     pub qps: Option<u64>,
+    /// Live exports: memory windows bound over regions for peers (`ExportRemote`).
+    pub exports: Option<u64>,
 }
 
 /// The limits a resource kind has, in the order they are reported.
@@ -45,15 +47,17 @@ pub enum QuotaKind {
     RegisteredBytes,
     Keys,
     Qps,
+    Exports,
 }
 
 impl QuotaKind {
-    pub const ALL: [QuotaKind; 5] = [
+    pub const ALL: [QuotaKind; 6] = [
         QuotaKind::Sessions,
         QuotaKind::Regions,
         QuotaKind::RegisteredBytes,
         QuotaKind::Keys,
         QuotaKind::Qps,
+        QuotaKind::Exports,
     ];
 
     /// The key in a quota table.
@@ -64,17 +68,25 @@ impl QuotaKind {
             QuotaKind::RegisteredBytes => "registered_bytes",
             QuotaKind::Keys => "keys",
             QuotaKind::Qps => "qps",
+            QuotaKind::Exports => "exports",
         }
     }
 
-    /// The built-in limit when `[quota.default]` does not set one.
+    /// The built-in limit when `[quota.default]` does not set one. Those of shared
+    /// resources are small enough that one user at the limit leaves most of the built-in
+    /// pool, or of a device's memory windows, to the others (see docs/regions.md, "Sizing
+    /// pools and quotas").
     pub fn builtin(self) -> u64 {
         match self {
             QuotaKind::Sessions => 64,
             QuotaKind::Regions => 4096,
-            QuotaKind::RegisteredBytes => 4 << 30,
+            // A quarter of the built-in pool (1 GiB): no one user fills it.
+            QuotaKind::RegisteredBytes => 256 << 20,
             QuotaKind::Keys => 4096,
             QuotaKind::Qps => 256,
+            // A device's windows (max_mw: 524,287 on rxe and loopback, millions on
+            // ConnectX) last for 511 users at this limit.
+            QuotaKind::Exports => 1024,
         }
     }
 
@@ -95,6 +107,7 @@ impl QuotaLimits {
             QuotaKind::RegisteredBytes => self.registered_bytes.map(|b| b.0),
             QuotaKind::Keys => self.keys,
             QuotaKind::Qps => self.qps,
+            QuotaKind::Exports => self.exports,
         }
     }
 

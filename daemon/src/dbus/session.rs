@@ -121,9 +121,9 @@ impl SessionObject {
 
     /// Creates an RC queue pair (and its CQ) on `device`. Options (`u`): `send_depth`,
     /// `recv_depth` (default 128), `max_sge` (default 4). Returns its object, the ring memfd
-    /// (map it shared, read-write), the doorbell eventfd (write it after submitting when
-    /// the ring asks for a wake-up), the completion eventfd (readable when completions
-    /// arrive), and the ring's size and depths.
+    /// (map it shared, read-write), the doorbell (the write end of a pipe: write a byte
+    /// after submitting when the ring asks for a wake-up), the completion channel (the read
+    /// end of a pipe, readable when completions arrive), and the ring's size and depths.
     async fn create_queue_pair(
         &self,
         device: &str,
@@ -165,8 +165,8 @@ impl SessionObject {
                 .map_err(|e| Error::DeviceError(format!("cannot hand out the queue pair: {e}")))
         };
         let ring = dup(q.ring.fd())?;
-        let doorbell = dup(std::os::fd::AsFd::as_fd(&q.doorbell))?;
-        let completion = dup(std::os::fd::AsFd::as_fd(&q.completion_event))?;
+        let doorbell = dup(q.doorbell.client_end())?;
+        let completion = dup(q.completion_event.client_end())?;
         self.ctx.publish_qp(server, &caller, id).await?;
         tracing::info!(
             session = self.id,

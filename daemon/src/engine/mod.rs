@@ -17,9 +17,9 @@ pub use devices::{open_devices, DeviceEntry, DeviceSelection};
 pub use pool::{Pool, PoolStats};
 pub use registry::{AttachMode, Handout, KeyId, RegionId, Registry, Removed, SessionId};
 
-use crate::config::{Config, ConfigError, ProviderChoice};
+use crate::config::{Config, ConfigError, PoolConfig, ProviderChoice};
 use crate::lock::lock;
-use crate::policy::quota::QuotaError;
+use crate::policy::quota::{Capacity, OversizedQuota, QuotaError};
 use crate::provider::{ObjectCounts, ProviderError};
 
 #[derive(Debug, thiserror::Error)]
@@ -118,7 +118,7 @@ impl Engine {
                 device.retry_lingering();
             }
         }));
-        Ok(Engine {
+        let engine = Engine {
             registry,
             workers,
             pools,
@@ -129,7 +129,33 @@ impl Engine {
             config_path,
             started: SystemTime::now(),
             reloads: AtomicU32::new(0),
-        })
+        };
+        engine.warn_of_oversized_quotas(&engine.config());
+        Ok(engine)
+    }
+
+    /// The quotas of `config` under which one user could take a whole pool served here,
+    /// or every memory window of a device.
+    pub fn oversized_quotas(&self, config: &Config) -> Vec<OversizedQuota> {
+        let pools: Vec<PoolConfig> = self.pools.iter().map(|p| p.config.clone()).collect();
+        let devices: Vec<Capacity> = self
+            .devices
+            .iter()
+            .filter_map(|d| {
+                Some(Capacity {
+                    name: d.device.name().to_owned(),
+                    amount: u64::from(d.device.attributes().ok()?.max_mw),
+                })
+            })
+            .collect();
+        crate::policy::quota::oversized(config, &pools, &devices)
+    }
+
+    /// One warning per quota that protects nothing (see [`Engine::oversized_quotas`]).
+    fn warn_of_oversized_quotas(&self, config: &Config) {
+        for q in self.oversized_quotas(config) {
+            tracing::warn!(table = %q.table, key = q.kind.key(), "{q}");
+        }
     }
 
     pub fn devices(&self) -> &[DeviceEntry] {
@@ -182,8 +208,10 @@ impl Engine {
     }
 
     /// Binds a type-2 window over region `region` through QP `qp` (both the caller's, on
-    /// one device, the QP connected) so the QP's peer can reach it with `access`. Returns
-    /// the export id and what the peer needs: `(addr, rkey, length)`.
+    /// one device, the QP connected) so the QP's peer can reach it with `access`, within
+    /// the caller's `exports` quota. Every call binds a window of its own, with its own
+    /// rkey and export id. Returns the export id and what the peer needs:
+    /// `(addr, rkey, length)`.
     pub fn export_remote(
         &self,
         caller: &crate::policy::Caller,
@@ -191,7 +219,8 @@ impl Engine {
         qp_id: qp::QpId,
         access: crate::provider::Access,
     ) -> Result<(qp::ExportId, u64, u32, u64), EngineError> {
-        use crate::provider::{MwType, QpState, SendOp};
+        use crate::config::QuotaKind;
+        use crate::provider::QpState;
         let q = self.registry.own_qp(caller, qp_id)?;
         let (mr, device) = self.registry.own_region_mr(caller, region)?;
         if device != q.device {
@@ -205,6 +234,36 @@ impl Engine {
                 "queue pair {qp_id} is not connected: Connect it before exporting through it"
             )));
         }
+        self.registry
+            .reserve(&self.config(), caller, QuotaKind::Exports, 1)?;
+        let bound = self
+            .bind_window(caller, region, qp_id, &q, &mr, access)
+            .and_then(|window| {
+                let rkey = window.rkey();
+                Ok((self.registry.add_export(region, qp_id, window)?, rkey))
+            });
+        match bound {
+            Ok((export, rkey)) => Ok((export, mr.addr(), rkey, mr.len() as u64)),
+            Err(e) => {
+                self.registry
+                    .unreserve(caller.uid, &[(QuotaKind::Exports, 1)]);
+                Err(e)
+            }
+        }
+    }
+
+    /// Allocates a type-2 window and binds it over `mr` through QP `qp_id` (the
+    /// device's worker posts the bind).
+    fn bind_window(
+        &self,
+        caller: &crate::policy::Caller,
+        region: RegionId,
+        qp_id: qp::QpId,
+        q: &qp::QueuePairRecord,
+        mr: &Arc<dyn crate::provider::MemoryRegion>,
+        access: crate::provider::Access,
+    ) -> Result<Arc<dyn crate::provider::MemoryWindow>, EngineError> {
+        use crate::provider::{MwType, SendOp};
         let entry = self.device(&q.device)?;
         let window = entry.pd.alloc_mw(MwType::Type2)?;
         let worker = self
@@ -216,7 +275,7 @@ impl Engine {
                 qp_id,
                 SendOp::BindMw {
                     mw: Arc::clone(&window),
-                    mr: Arc::clone(&mr),
+                    mr: Arc::clone(mr),
                     addr: mr.addr(),
                     len: mr.len() as u64,
                     access,
@@ -232,9 +291,7 @@ impl Engine {
                     EngineError::Io(format!("cannot bind a window over region {region}: {e}"))
                 }
             })?;
-        let rkey = window.rkey();
-        let export = self.registry.add_export(region, qp_id, window)?;
-        Ok((export, mr.addr(), rkey, mr.len() as u64))
+        Ok(window)
     }
 
     /// Invalidates and releases an export: the peer's rkey stops working.
@@ -322,7 +379,9 @@ impl Engine {
             needs_restart.push("[[pool]]".to_owned());
         }
         *slot = Arc::clone(&new);
+        drop(slot);
         self.reloads.fetch_add(1, Ordering::Relaxed);
+        self.warn_of_oversized_quotas(&new);
         Ok((new, needs_restart))
     }
 

@@ -1,14 +1,14 @@
 //! Queue pairs the daemon creates for sessions: an RC QP and its CQ on the device's PD, the
-//! ring memfd and eventfds of the data path, the endpoint a peer needs, and the connection
+//! ring memfd and wake-up pipes of the data path, the endpoint a peer needs, and the connection
 //! to that peer. Teardown releases windows before the QP and the QP before its CQ.
 
 use std::collections::BTreeMap;
 use std::net::Ipv6Addr;
-use std::os::fd::OwnedFd;
 use std::sync::{Arc, Mutex};
 
 use rdmad_client::ring::Layout;
 
+use super::datapath::wakeup::WakePipe;
 use super::{DeviceEntry, EngineError};
 use crate::memory::SharedMemory;
 use crate::provider::{
@@ -123,10 +123,12 @@ pub struct QueuePairRecord {
     pub ring: Arc<SharedMemory>,
     pub layout: Layout,
     /// Written by the client after submitting (when the worker asked for wake-ups).
-    pub doorbell: OwnedFd,
+    pub doorbell: WakePipe,
     /// Written by the daemon after delivering completions.
-    pub completion_event: OwnedFd,
+    pub completion_event: WakePipe,
     pub local: LocalEndpoint,
+    /// The port's largest message: longer requests are refused before the device.
+    pub max_message: u64,
     pub remote: Mutex<Option<RemoteEndpoint>>,
     pub counters: QpCounters,
 }
@@ -157,13 +159,6 @@ pub fn select_gid(entry: &DeviceEntry) -> Result<GidEntry, EngineError> {
             })?,
     };
     Ok(pick.clone())
-}
-
-fn eventfd() -> Result<OwnedFd, EngineError> {
-    use nix::sys::eventfd::{EfdFlags, EventFd};
-    EventFd::from_flags(EfdFlags::EFD_CLOEXEC | EfdFlags::EFD_NONBLOCK)
-        .map(OwnedFd::from)
-        .map_err(|e| EngineError::Io(format!("cannot create an eventfd: {e}")))
 }
 
 /// A starting packet sequence number from the OS random generator (24 bits).
@@ -225,9 +220,12 @@ pub fn create(
         cq,
         ring: Arc::new(ring),
         layout,
-        doorbell: eventfd()?,
-        completion_event: eventfd()?,
+        doorbell: WakePipe::doorbell()
+            .map_err(|e| EngineError::Io(format!("cannot create a doorbell pipe: {e}")))?,
+        completion_event: WakePipe::completions()
+            .map_err(|e| EngineError::Io(format!("cannot create a completion pipe: {e}")))?,
         local,
+        max_message: port.max_msg_sz,
         remote: Mutex::new(None),
         counters: QpCounters::default(),
     })

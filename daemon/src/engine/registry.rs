@@ -160,12 +160,18 @@ impl Garbage {
     }
 
     /// Takes every window out of queue pair `qp` (being removed) and out of its regions'
-    /// lists of exports.
+    /// lists of exports, which stop counting against their owners' `exports` quota.
     fn take_windows_of(&mut self, s: &mut State, qp: QpId, record: &Arc<QueuePairRecord>) {
         let exports = std::mem::take(&mut *lock(&record.exports));
         for (export, e) in exports {
             if let Some(region) = s.regions.get_mut(&e.region) {
-                region.exports.remove(&(qp, export));
+                if region.exports.remove(&(qp, export)) {
+                    let uid = region.owner_uid;
+                    if let Some(usage) = s.usage.get_mut(&uid) {
+                        usage.sub(QuotaKind::Exports, 1);
+                    }
+                    Registry::forget_idle_user(s, uid);
+                }
             }
             self.windows.push(TakenWindow::new(e, record));
         }
@@ -489,6 +495,7 @@ impl Registry {
             usage.sub(QuotaKind::Regions, 1);
             usage.sub(QuotaKind::RegisteredBytes, size);
             usage.sub(QuotaKind::Keys, region.keys.len() as u64);
+            usage.sub(QuotaKind::Exports, region.exports.len() as u64);
         }
         region.pool.release(size);
         Self::forget_idle_user(s, region.owner_uid);
@@ -500,6 +507,37 @@ impl Registry {
         if s.usage.get(&uid).is_some_and(Usage::is_zero) {
             s.usage.remove(&uid);
         }
+    }
+
+    /// Checks `amount` more of `kind` against `caller`'s limits and reserves them, in one
+    /// step under the lock; [`Registry::unreserve`] gives them back if the creation fails.
+    pub fn reserve(
+        &self,
+        config: &Config,
+        caller: &Caller,
+        kind: QuotaKind,
+        amount: u64,
+    ) -> Result<(), EngineError> {
+        let limits = quota::limits_for(config, caller.uid, &caller.gids);
+        let mut s = self.lock();
+        let usage = s.usage.entry(caller.uid).or_default();
+        let checked = quota::check(&limits, usage, kind, amount);
+        if checked.is_ok() {
+            usage.add(kind, amount);
+        }
+        Self::forget_idle_user(&mut s, caller.uid);
+        checked.map_err(EngineError::from)
+    }
+
+    /// Gives back use reserved for a creation that failed.
+    pub fn unreserve(&self, uid: u32, charges: &[(QuotaKind, u64)]) {
+        let mut s = self.lock();
+        if let Some(usage) = s.usage.get_mut(&uid) {
+            for &(kind, amount) in charges {
+                usage.sub(kind, amount);
+            }
+        }
+        Self::forget_idle_user(&mut s, uid);
     }
 
     /// The session, if `caller`'s connection owns it.
@@ -542,12 +580,13 @@ impl Registry {
             usage.add(QuotaKind::RegisteredBytes, rounded);
         }
         let unreserve = |registry: &Registry| {
-            let mut s = registry.lock();
-            if let Some(usage) = s.usage.get_mut(&caller.uid) {
-                usage.sub(QuotaKind::Regions, 1);
-                usage.sub(QuotaKind::RegisteredBytes, rounded);
-            }
-            Self::forget_idle_user(&mut s, caller.uid);
+            registry.unreserve(
+                caller.uid,
+                &[
+                    (QuotaKind::Regions, 1),
+                    (QuotaKind::RegisteredBytes, rounded),
+                ],
+            )
         };
         let allocation = match pool.allocate(rounded) {
             Ok(a) => a,
@@ -975,13 +1014,8 @@ impl Registry {
             quota::check(&limits, usage, QuotaKind::Qps, 1)?;
             usage.add(QuotaKind::Qps, 1);
         }
-        let unreserve = |registry: &Registry| {
-            let mut s = registry.lock();
-            if let Some(usage) = s.usage.get_mut(&caller.uid) {
-                usage.sub(QuotaKind::Qps, 1);
-            }
-            Self::forget_idle_user(&mut s, caller.uid);
-        };
+        let unreserve =
+            |registry: &Registry| registry.unreserve(caller.uid, &[(QuotaKind::Qps, 1)]);
         let record = match qp::create(entry, session, caller.uid, options) {
             Ok(r) => Arc::new(r),
             Err(e) => {
@@ -1037,12 +1071,12 @@ impl Registry {
         if let Some(session) = s.sessions.get_mut(&record.session) {
             session.qps.remove(&id);
         }
+        let mut garbage = Garbage::default();
+        garbage.take_windows_of(&mut s, id, &record);
         if let Some(usage) = s.usage.get_mut(&record.owner_uid) {
             usage.sub(QuotaKind::Qps, 1);
         }
         Self::forget_idle_user(&mut s, record.owner_uid);
-        let mut garbage = Garbage::default();
-        garbage.take_windows_of(&mut s, id, &record);
         garbage.qps.push(record);
         drop(s);
         self.release(&[id], garbage);
@@ -1071,8 +1105,9 @@ impl Registry {
         Ok((Arc::clone(&r.mr), r.pool.device.clone()))
     }
 
-    /// Records a window bound over region `id` through `qp`; returns the export id, or
-    /// gives the window back if the region or QP went away meanwhile.
+    /// Records a window bound over region `id` through `qp`, keeping the `exports` use
+    /// reserved for it; returns the export id, or gives the window back if the region or
+    /// QP went away meanwhile (the caller then gives the reservation back).
     pub fn add_export(
         &self,
         id: RegionId,
@@ -1122,11 +1157,13 @@ impl Registry {
             .ok_or(EngineError::NoSuchObject(format!(
                 "export {export} of region {id}"
             )))?;
-        s.regions
-            .get_mut(&id)
-            .expect("checked")
-            .exports
-            .remove(&(qp, export));
+        let region = s.regions.get_mut(&id).expect("checked");
+        region.exports.remove(&(qp, export));
+        let uid = region.owner_uid;
+        if let Some(usage) = s.usage.get_mut(&uid) {
+            usage.sub(QuotaKind::Exports, 1);
+        }
+        Self::forget_idle_user(&mut s, uid);
         let taken = s
             .qps
             .get(&qp)
@@ -1205,12 +1242,11 @@ impl Registry {
 /// Pool ACL: everyone when the pool lists no users and no groups.
 fn check_pool_access(pool: &Pool, caller: &Caller) -> Result<(), EngineError> {
     let c = &pool.config;
-    if c.users.is_empty() && c.groups.is_empty() {
+    if c.open_to_everyone() {
         return Ok(());
     }
     let user = quota::user_name(caller.uid);
-    let in_group = c.groups.iter().any(|g| policy::in_group(g, &caller.gids));
-    if c.users.contains(&user) || in_group {
+    if policy::pool_admits(c, &user, &caller.gids) {
         return Ok(());
     }
     Err(not_authorized(format!(
@@ -1385,6 +1421,142 @@ mod tests {
         assert_eq!(removed.regions, vec![region]);
     }
 
+    /// Two queue pairs of `session` on loopback0, connected to each other.
+    fn connected_pair(engine: &Engine, owner: &Caller, session: SessionId) -> [QpId; 2] {
+        use crate::engine::qp::QpOptions;
+        use crate::provider::RemoteEndpoint;
+        let device = &engine.devices()[0].device;
+        let qps = [0, 1].map(|_| {
+            engine
+                .create_qp(owner, session, "loopback0", QpOptions::default())
+                .unwrap()
+                .0
+        });
+        for (me, peer) in [(qps[0], qps[1]), (qps[1], qps[0])] {
+            let peer = engine.registry.own_qp(owner, peer).unwrap();
+            let remote = RemoteEndpoint {
+                gid: peer.local.gid,
+                qp_num: peer.local.qp_num,
+                psn: peer.local.psn,
+                lid: peer.local.lid,
+            };
+            let record = engine.registry.own_qp(owner, me).unwrap();
+            record.connect(device.as_ref(), remote).unwrap();
+        }
+        qps
+    }
+
+    /// Exports are charged to their owner's `exports` quota, one per window: a second
+    /// export of the same region through the same QP is a window of its own. Releasing,
+    /// freeing the region, destroying the QP and closing the session each give the use
+    /// back, and another user's exports are not affected.
+    #[test]
+    fn exports_are_a_quota_given_back_by_every_release() {
+        use crate::provider::Access;
+        let (engine, config) = engine_on(
+            ProviderChoice::Loopback,
+            &format!("{COLD_POOL}[quota.default]\nexports = 2\n"),
+        );
+        let pool = Arc::clone(engine.pool("p").unwrap());
+        let device = Arc::clone(&engine.devices()[0].device);
+        let exports = |uid| engine.registry.usage(uid).get(QuotaKind::Exports);
+        let alice = caller(1000, ":1.1");
+        let bob = caller(1001, ":1.2");
+        let s = engine.registry.open_session(&config, &alice).unwrap();
+        let qps = connected_pair(&engine, &alice, s);
+        let region = || {
+            engine
+                .registry
+                .allocate(&config, &alice, s, &pool, 4096)
+                .unwrap()
+                .region
+        };
+        let r = region();
+        let mws = device.object_counts().mws;
+
+        let (first, _, rkey1, _) = engine
+            .export_remote(&alice, r, qps[0], Access::REMOTE_WRITE)
+            .unwrap();
+        let (second, _, rkey2, _) = engine
+            .export_remote(&alice, r, qps[0], Access::REMOTE_WRITE)
+            .unwrap();
+        assert_ne!(first, second, "a second export is an export of its own");
+        assert_ne!(rkey1, rkey2, "with a window and an rkey of its own");
+        assert_eq!(device.object_counts().mws, mws + 2);
+        assert_eq!(exports(1000), 2);
+        let refused = engine
+            .export_remote(&alice, r, qps[1], Access::REMOTE_READ)
+            .unwrap_err();
+        assert!(matches!(refused, EngineError::Quota(_)), "{refused}");
+        assert!(
+            refused
+                .to_string()
+                .starts_with("quota exceeded: exports (memory windows) of user"),
+            "{refused}"
+        );
+        assert!(
+            refused
+                .to_string()
+                .contains("2 in use, 1 more requested, limit 2 (set by quota.default.exports)"),
+            "{refused}"
+        );
+        assert_eq!(exports(1000), 2, "a refusal charges nothing");
+        assert_eq!(
+            device.object_counts().mws,
+            mws + 2,
+            "nor binds a window before the check"
+        );
+
+        // Another user exports as before.
+        let sb = engine.registry.open_session(&config, &bob).unwrap();
+        let bob_qps = connected_pair(&engine, &bob, sb);
+        let rb = engine
+            .registry
+            .allocate(&config, &bob, sb, &pool, 4096)
+            .unwrap()
+            .region;
+        engine
+            .export_remote(&bob, rb, bob_qps[0], Access::REMOTE_WRITE)
+            .unwrap();
+        assert_eq!(exports(1001), 1);
+
+        // ReleaseExport gives one back.
+        engine.release_export(&alice, r, first).unwrap();
+        assert_eq!(exports(1000), 1);
+        // Freeing the region gives back what was exported over it.
+        engine
+            .export_remote(&alice, r, qps[1], Access::REMOTE_READ)
+            .unwrap();
+        assert_eq!(exports(1000), 2);
+        engine.registry.free(&alice, r).unwrap();
+        assert_eq!(exports(1000), 0);
+        // Destroying the QP gives back what was exported through it; the region stays.
+        let r = region();
+        let (through_destroyed, ..) = engine
+            .export_remote(&alice, r, qps[0], Access::REMOTE_WRITE)
+            .unwrap();
+        engine
+            .export_remote(&alice, r, qps[1], Access::REMOTE_WRITE)
+            .unwrap();
+        engine.registry.destroy_qp(&alice, qps[0]).unwrap();
+        assert_eq!(exports(1000), 1);
+        assert!(
+            matches!(
+                engine.release_export(&alice, r, through_destroyed),
+                Err(EngineError::NoSuchObject(_))
+            ),
+            "an export of a destroyed QP is gone"
+        );
+        assert_eq!(exports(1000), 1, "and gives nothing back twice");
+        // Closing the session gives back the rest.
+        engine.registry.close_sessions_of(":1.1");
+        assert_eq!(exports(1000), 0);
+        assert!(engine.registry.usage(1000).is_zero());
+        assert_eq!(exports(1001), 1, "bob's export is untouched");
+        engine.registry.close_sessions_of(":1.2");
+        assert_eq!(device.object_counts().mws, mws);
+    }
+
     /// A window taken out of its queue pair (by `ReleaseExport`, or with a freed region)
     /// keeps that queue pair alive until the window is dropped, even if the queue pair is
     /// destroyed meanwhile: a QP destroyed with a type-2 window still bound blocks rxe for
@@ -1392,32 +1564,13 @@ mod tests {
     /// loopback device's warning about it).
     #[test]
     fn windows_taken_out_keep_their_queue_pair_until_dropped() {
-        use crate::engine::qp::QpOptions;
-        use crate::provider::{Access, RemoteEndpoint};
+        use crate::provider::Access;
         let (engine, config) = engine_on(ProviderChoice::Loopback, COLD_POOL);
         let pool = Arc::clone(engine.pool("p").unwrap());
         let device = Arc::clone(&engine.devices()[0].device);
         let alice = caller(1000, ":1.1");
         let s = engine.registry.open_session(&config, &alice).unwrap();
-        let qps: Vec<QpId> = (0..2)
-            .map(|_| {
-                engine
-                    .create_qp(&alice, s, "loopback0", QpOptions::default())
-                    .unwrap()
-                    .0
-            })
-            .collect();
-        for (me, peer) in [(qps[0], qps[1]), (qps[1], qps[0])] {
-            let peer = engine.registry.own_qp(&alice, peer).unwrap();
-            let remote = RemoteEndpoint {
-                gid: peer.local.gid,
-                qp_num: peer.local.qp_num,
-                psn: peer.local.psn,
-                lid: peer.local.lid,
-            };
-            let record = engine.registry.own_qp(&alice, me).unwrap();
-            record.connect(device.as_ref(), remote).unwrap();
-        }
+        let qps = connected_pair(&engine, &alice, s);
         let qps_alive = || device.object_counts().qps;
         assert_eq!(qps_alive(), 2);
 
@@ -1769,12 +1922,11 @@ mod tests {
                 pread(&h.fd, &mut buf, 0).unwrap();
                 assert!(buf.iter().all(|&b| b == 0), "new regions read as zero");
                 pwrite(&h.fd, b"bob's data", 0).unwrap();
-                let mut old = [0u8; 14];
+                // The freed region's pages went back at once; the kept fd reads zeros,
+                // never the next owner's bytes.
+                let mut old = [0xffu8; 14];
                 pread(&kept.fd, &mut old, 0).unwrap();
-                assert_eq!(
-                    &old, b"alice's secret",
-                    "the kept fd never sees the next owner"
-                );
+                assert_eq!(old, [0u8; 14], "the kept fd never sees the next owner");
                 engine.registry.free(&bob, h.region).unwrap();
             }
         }

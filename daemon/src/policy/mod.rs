@@ -5,7 +5,7 @@ pub mod keys;
 pub mod lookups;
 pub mod quota;
 
-use crate::config::Config;
+use crate::config::{Config, PoolConfig};
 
 /// The identity of a D-Bus caller, as the bus daemon vouches for it.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -47,6 +47,14 @@ pub fn in_group(group: &str, gids: &[u32]) -> bool {
             false
         }
     }
+}
+
+/// Whether a pool's access list lets user `user` with groups `gids` allocate from it:
+/// everyone when it lists no users and no groups.
+pub fn pool_admits(pool: &PoolConfig, user: &str, gids: &[u32]) -> bool {
+    pool.open_to_everyone()
+        || pool.users.iter().any(|u| u == user)
+        || pool.groups.iter().any(|g| in_group(g, gids))
 }
 
 /// Fails with a message saying how to get the right, unless `caller` is an administrator.

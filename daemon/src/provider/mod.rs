@@ -75,6 +75,29 @@ pub enum ProviderError {
     InvalidArgument { device: String, message: String },
 }
 
+/// A batch post that stopped part-way: the first `posted` requests are on the device (they
+/// complete as usual, and what they use must stay alive until they do); the rest are not.
+#[derive(Debug, thiserror::Error)]
+#[error("{error} ({posted} of the batch posted)")]
+pub struct PostError {
+    pub posted: usize,
+    #[source]
+    pub error: ProviderError,
+}
+
+impl PostError {
+    /// Nothing of the batch was posted.
+    pub fn none(error: ProviderError) -> PostError {
+        PostError { posted: 0, error }
+    }
+}
+
+impl From<PostError> for ProviderError {
+    fn from(e: PostError) -> ProviderError {
+        e.error
+    }
+}
+
 impl ProviderError {
     pub fn not_supported(device: &str, operation: &'static str) -> Self {
         ProviderError::NotSupported {
@@ -235,6 +258,12 @@ pub trait MemoryWindow: Send + Sync + fmt::Debug {
 pub trait CompletionQueue: Send + Sync + fmt::Debug {
     /// Moves up to `max` completions into `out` (appending); returns how many.
     fn poll(&self, out: &mut Vec<WorkCompletion>, max: usize) -> Result<usize>;
+    /// Whether work feeding this CQ is under way that moves on only when the CQ is polled
+    /// (a software device run by its users, in bounded turns): its poller must not sleep
+    /// yet. A hardware device works on its own and never needs this.
+    fn needs_polling(&self) -> bool {
+        false
+    }
     /// Requests an event on `event_fd` for the next completion (`ibv_req_notify_cq`).
     fn arm(&self) -> Result<()>;
     /// A non-blocking descriptor that becomes readable when an armed CQ gets a completion.
@@ -257,9 +286,9 @@ pub trait QueuePair: Send + Sync + fmt::Debug {
     /// Any state → ERROR: outstanding work requests complete with `WrFlushError`.
     fn to_error(&self) -> Result<()>;
     /// Posts a batch of send-queue work requests. On a refusal (e.g. queue full) none
-    /// after the first refused one is posted; the error says how many were.
-    fn post_send(&self, wrs: &[SendWr]) -> Result<()>;
-    /// Posts a batch of receive work requests.
-    fn post_recv(&self, wrs: &[RecvWr]) -> Result<()>;
+    /// from the first refused one on is posted; the error says how many were.
+    fn post_send(&self, wrs: &[SendWr]) -> Result<(), PostError>;
+    /// Posts a batch of receive work requests, failing like [`QueuePair::post_send`].
+    fn post_recv(&self, wrs: &[RecvWr]) -> Result<(), PostError>;
     fn as_any(&self) -> &dyn Any;
 }

@@ -205,6 +205,8 @@ pub struct PortAttributes {
     pub lid: u16,
     pub link_layer: LinkLayer,
     pub gid_table_len: u32,
+    /// The largest message the port carries (`max_msg_sz`).
+    pub max_msg_sz: u64,
 }
 
 /// Bytes of an `ibv_mtu` value (1 = 256 … 5 = 4096); 0 if unknown.

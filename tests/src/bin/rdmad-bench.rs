@@ -172,9 +172,10 @@ fn daemon_config(provider: Provider, device: &str) -> String {
     // to 64 MiB: the warm set always fits beside the region being timed.
     let warm_capacity = (sum * (WARM + 1)).next_multiple_of(64 * MIB);
     let cold_capacity = sum.next_multiple_of(64 * MIB);
-    // Quotas count allocated regions only; a user never holds more than one here, but the
-    // limit is raised above both capacities so that it can never be what refuses.
-    let quota = (warm_capacity + cold_capacity).next_multiple_of(1 << 30);
+    // Quotas count allocated regions only; a user never holds more than one here, so a
+    // limit of one region of every size can never be what refuses (and, below the warm
+    // pool's capacity, is not a quota rdmad warns about).
+    let quota = sum;
     let mut text = String::from("[daemon]\nlog_level = \"warn\"\n\n");
     if provider == Provider::Verbs {
         text.push_str(&format!("[[device]]\nname = \"{device}\"\n\n"));
@@ -190,8 +191,8 @@ fn daemon_config(provider: Provider, device: &str) -> String {
         ));
     }
     text.push_str(&format!(
-        "[quota.default]\nregistered_bytes = \"{}GiB\"\n",
-        quota >> 30
+        "[quota.default]\nregistered_bytes = {}\n",
+        toml_size(quota)
     ));
     text
 }

@@ -7,6 +7,7 @@
 //!   alloc POOL SIZE               → [region path, size]
 //!   write N OFFSET TEXT           → null          (through the client's mapping)
 //!   read N OFFSET LEN             → text
+//!   fill N BYTE                   → null          (the whole region, through the mapping)
 //!   share N ro|rw [SECONDS]       → [token, key id]
 //!   attach TOKEN                  → [region path, size, access]
 //!   maprw N                       → null, or the mmap error (maps region N writable again)
@@ -22,6 +23,16 @@
 //!   post-garbage Q WRID | bad-tail Q | wait Q → completion JSON (60 s at most)
 //!   export N Q [ACCESS] → [addr, rkey, len, export id] | unexport N EXPORT
 //!   sessions | regions | pools | qps | devices | quota UID | reload
+//!   rtt QA QB REGION COUNT        → {median_us, p99_us, max_us, count}: COUNT 64-byte
+//!                                 SEND round trips between two of this client's QPs
+//!                                 (connected to each other), through region REGION
+//!   flood Q REGION COUNT LEN REMOTE_ADDR RKEY → how many LEN-byte RDMA WRITEs were queued
+//!                                 (unsignaled but the last; completions are not awaited)
+//!   attack-fds Q                  → what was done to QP Q's doorbell and completion
+//!                                 descriptors: blocking mode, full pipes, dups, reopens
+//!   punch-ring Q | punch N        → {punch, truncate}: fallocate(PUNCH_HOLE) over the
+//!                                 whole ring or region memfd, then ftruncate(0) (errors
+//!                                 as strings, null where it worked)
 //!   watch                         → the unique name of rdmad now (starts a DaemonWatch)
 //!   gone                          → {previous, current, message} once that rdmad left
 //!   exit
@@ -36,6 +47,85 @@ use rdmad_client::types::Endpoint;
 use rdmad_client::{DaemonWatch, Error, RegionMapping};
 use serde_json::{json, Value};
 use zbus::zvariant::{OwnedObjectPath, Value as ZValue};
+
+/// Copies of a QP's descriptors, for attacks on them (the ring keeps its own).
+struct RingFds {
+    ring: OwnedFd,
+    doorbell: OwnedFd,
+    completions: OwnedFd,
+}
+
+fn io_result<T>(r: nix::Result<T>) -> Value {
+    match r {
+        Ok(_) => Value::Null,
+        Err(e) => json!(e.to_string()),
+    }
+}
+
+/// `fallocate(PUNCH_HOLE)` over the whole of `fd`, then `ftruncate(fd, 0)`.
+fn punch_and_truncate(fd: &OwnedFd) -> Value {
+    use std::os::fd::AsRawFd;
+    let len = nix::sys::stat::fstat(fd.as_raw_fd()).map_or(0, |s| s.st_size);
+    let punch = nix::fcntl::fallocate(
+        fd.as_raw_fd(),
+        nix::fcntl::FallocateFlags::FALLOC_FL_PUNCH_HOLE
+            | nix::fcntl::FallocateFlags::FALLOC_FL_KEEP_SIZE,
+        0,
+        len,
+    );
+    let truncate = nix::unistd::ftruncate(fd, 0);
+    json!({"punch": io_result(punch), "truncate": io_result(truncate)})
+}
+
+/// Everything a client can do to its wake-up descriptors to hurt whoever shares them:
+/// fill the doorbell pipe, write an eventfd's "counter almost full" value, try to reopen
+/// both ends through `/proc/self/fd` (to fill the completion channel too), switch its ends
+/// to blocking mode, keep dups and close some.
+fn attack_fds(fds: &RingFds) -> Value {
+    use std::os::fd::AsRawFd;
+    let mut report = serde_json::Map::new();
+    let mut filled = 0u64;
+    let chunk = [0xffu8; 4096];
+    while let Ok(n) = nix::unistd::write(&fds.doorbell, &chunk) {
+        filled += n as u64;
+    }
+    report.insert("doorbell_filled".into(), json!(filled));
+    let _ = nix::unistd::write(&fds.doorbell, &0xffff_ffff_ffff_fffeu64.to_ne_bytes());
+    for (name, fd, write) in [
+        ("doorbell", &fds.doorbell, false),
+        ("completions", &fds.completions, true),
+    ] {
+        let reopened = std::fs::OpenOptions::new()
+            .read(!write)
+            .write(write)
+            .open(format!("/proc/self/fd/{}", fd.as_raw_fd()));
+        report.insert(
+            format!("{name}_reopened"),
+            match reopened {
+                Ok(file) => {
+                    std::mem::forget(file);
+                    Value::Null
+                }
+                Err(e) => json!(e.to_string()),
+            },
+        );
+        let cleared = nix::fcntl::fcntl(
+            fd.as_raw_fd(),
+            nix::fcntl::FcntlArg::F_SETFL(nix::fcntl::OFlag::empty()),
+        );
+        report.insert(format!("{name}_blocking"), io_result(cleared));
+    }
+    let dups: Vec<OwnedFd> = [&fds.doorbell, &fds.completions, &fds.ring]
+        .iter()
+        .filter_map(|fd| fd.try_clone().ok())
+        .collect();
+    report.insert("dups".into(), json!(dups.len()));
+    // Keep two, close one.
+    let mut dups = dups.into_iter();
+    drop(dups.next());
+    std::mem::forget(dups.collect::<Vec<_>>());
+    Value::Object(report)
+}
 
 struct Held {
     path: OwnedObjectPath,
@@ -88,6 +178,7 @@ async fn main() {
     let mut held: Vec<Held> = Vec::new();
     let mut qps: Vec<String> = Vec::new();
     let mut rings: Vec<QueuePairRing> = Vec::new();
+    let mut ring_fds: Vec<RingFds> = Vec::new();
     let mut watch: Option<DaemonWatch> = None;
 
     let stdin = std::io::stdin();
@@ -150,6 +241,17 @@ async fn main() {
                         Ok(()) => Value::Null,
                         Err(e) => json!({"io_error": e.to_string()}),
                     })
+                }
+                "fill" => {
+                    // fill N BYTE: the whole region, through the client's mapping.
+                    let h = &held[num(0) as usize];
+                    let bytes = vec![num(1) as u8; h.size as usize];
+                    h.mapping
+                        .as_ref()
+                        .expect("mapped")
+                        .write(0, &bytes)
+                        .map_err(|e| Error::InvalidArgument(e.to_string()))?;
+                    Ok(Value::Null)
                 }
                 "read" => {
                     let h = &held[num(0) as usize];
@@ -266,8 +368,15 @@ async fn main() {
                     let (path, ring, doorbell, completion, info) =
                         s.create_queue_pair(arg(0), options).await?;
                     qps.push(path.to_string());
+                    let (ring, doorbell, completions): (OwnedFd, OwnedFd, OwnedFd) =
+                        (ring.into(), doorbell.into(), completion.into());
+                    ring_fds.push(RingFds {
+                        ring: ring.try_clone().expect("dup"),
+                        doorbell: doorbell.try_clone().expect("dup"),
+                        completions: completions.try_clone().expect("dup"),
+                    });
                     rings.push(
-                        QueuePairRing::new(ring.into(), doorbell.into(), completion.into(), info)
+                        QueuePairRing::new(ring, doorbell, completions, info)
                             .map_err(|e| Error::InvalidArgument(format!("ring: {e}")))?,
                     );
                     Ok(json!([
@@ -382,6 +491,45 @@ async fn main() {
                         }),
                     })
                 }
+                "rtt" => {
+                    let (qa, qb, count) = (num(0) as usize, num(1) as usize, num(3) as usize);
+                    let region =
+                        rdmad_client::names::object_id(held[num(2) as usize].path.as_str())
+                            .unwrap_or(0);
+                    round_trips(&mut rings, qa, qb, region, count)
+                }
+                "flood" => {
+                    // flood Q REGION COUNT LEN REMOTE_ADDR RKEY
+                    let region =
+                        rdmad_client::names::object_id(held[num(1) as usize].path.as_str())
+                            .unwrap_or(0);
+                    let count = num(2);
+                    let mut queued = 0u64;
+                    for i in 0..count {
+                        let sub = Submission {
+                            remote_addr: num(4),
+                            rkey: num(5) as u32,
+                            signaled: i + 1 == count,
+                            ..Submission::new(
+                                Opcode::Write,
+                                i,
+                                RegionSge {
+                                    region,
+                                    offset: 0,
+                                    length: num(3) as u32,
+                                },
+                            )
+                        };
+                        match rings[num(0) as usize].submit(&sub) {
+                            Ok(Ok(())) => queued += 1,
+                            _ => break,
+                        }
+                    }
+                    Ok(json!(queued))
+                }
+                "attack-fds" => Ok(attack_fds(&ring_fds[num(0) as usize])),
+                "punch-ring" => Ok(punch_and_truncate(&ring_fds[num(0) as usize].ring)),
+                "punch" => Ok(punch_and_truncate(&held[num(0) as usize].fd)),
                 "qps" => Ok(serde_json::to_value(manager.list_queue_pairs().await?).unwrap()),
                 "devices" => Ok(serde_json::to_value(manager.list_devices().await?).unwrap()),
                 "sessions" => Ok(serde_json::to_value(manager.list_sessions().await?).unwrap()),
@@ -419,4 +567,66 @@ async fn main() {
         };
         println!("{out}");
     }
+}
+
+/// The next completion on `ring` (60 s at most), as an error if none came.
+fn next_completion(ring: &mut QueuePairRing) -> Result<rdmad_client::ring::Completion, Error> {
+    ring.wait(std::time::Duration::from_secs(60))
+        .map_err(|e| Error::InvalidArgument(e.to_string()))?
+        .ok_or_else(|| Error::InvalidArgument("no completion within 60 s".into()))
+}
+
+/// `count` 64-byte SEND round trips a → b → a; their latency percentiles in µs.
+fn round_trips(
+    rings: &mut [QueuePairRing],
+    a: usize,
+    b: usize,
+    region: u64,
+    count: usize,
+) -> Result<Value, Error> {
+    use rdmad_client::ring::Status;
+    let sge = |offset| RegionSge {
+        region,
+        offset,
+        length: 64,
+    };
+    let submit = |ring: &mut QueuePairRing, sub: Submission| {
+        ring.submit(&sub)
+            .map_err(|e| Error::InvalidArgument(e.to_string()))?
+            .map_err(|_| Error::InvalidArgument("ring full".into()))
+    };
+    // Waits for a receive on `ring`, taking the send completions that come first.
+    let receive = |ring: &mut QueuePairRing| loop {
+        let c = next_completion(ring)?;
+        if c.status != Status::Success {
+            return Err(Error::InvalidArgument(format!("completion {c:?}")));
+        }
+        if c.opcode == Opcode::Recv {
+            return Ok(());
+        }
+    };
+    let mut samples = Vec::with_capacity(count);
+    for i in 0..count as u64 {
+        submit(&mut rings[b], Submission::new(Opcode::Recv, i, sge(1024)))?;
+        submit(&mut rings[a], Submission::new(Opcode::Recv, i, sge(2048)))?;
+        let start = std::time::Instant::now();
+        submit(&mut rings[a], Submission::new(Opcode::Send, i, sge(0)))?;
+        receive(&mut rings[b])?;
+        submit(&mut rings[b], Submission::new(Opcode::Send, i, sge(0)))?;
+        receive(&mut rings[a])?;
+        samples.push(start.elapsed().as_secs_f64() * 1e6);
+        // The last send completion of b, so the next round starts clean.
+        let c = next_completion(&mut rings[b])?;
+        if c.status != Status::Success {
+            return Err(Error::InvalidArgument(format!("completion {c:?}")));
+        }
+    }
+    samples.sort_by(f64::total_cmp);
+    let at = |q: f64| samples[((samples.len() - 1) as f64 * q).round() as usize];
+    Ok(json!({
+        "count": samples.len(),
+        "median_us": at(0.5),
+        "p99_us": at(0.99),
+        "max_us": at(1.0),
+    }))
 }

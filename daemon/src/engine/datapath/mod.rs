@@ -3,4 +3,5 @@
 //! device; completions go back the same way.
 
 pub mod validate;
+pub mod wakeup;
 pub mod worker;

@@ -44,6 +44,19 @@ pub struct Refusal {
     pub detail: u32,
 }
 
+/// Refuses a request longer than `max_message`, the port's largest message, before the
+/// device sees it (`LocalLengthError`, as the device itself would answer).
+pub fn check_length(s: &Submission, max_message: u64) -> Result<(), Refusal> {
+    let len: u64 = s.sges.iter().map(|sge| u64::from(sge.length)).sum();
+    if len > max_message {
+        return Err(Refusal {
+            status: Status::LocalLengthError,
+            detail: 0,
+        });
+    }
+    Ok(())
+}
+
 /// The detail of an `InvalidEntry` refusal for a request with more SGEs than its queue pair
 /// takes (its `max_sge` option): the ring format allows four, the QP may take fewer, and
 /// the device would refuse the whole batch the request is posted in.

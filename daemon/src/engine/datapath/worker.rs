@@ -29,6 +29,11 @@ pub struct WorkerQps {
     applied_cv: std::sync::Condvar,
 }
 
+/// The most submissions one QP gets taken in one pass of the worker: a QP with a full ring
+/// waits for the next pass like every other, so each pass over N busy QPs costs at most N
+/// such batches (and, on a software device, N turns of bounded copying).
+const TAKE_PER_PASS: u32 = 64;
+
 /// A request the device is working on: what the client called it, and what it pins.
 struct InFlight {
     client_wr_id: u64,
@@ -90,7 +95,7 @@ impl QpState {
                 .load_u32(header::CQ_HEAD)
                 .map(|head| self.cq_tail.wrapping_sub(head) < self.record.layout.cq_entries)
                 .unwrap_or(false);
-        (submitted && self.can_consume()) || room
+        (submitted && self.can_consume()) || room || self.record.cq.needs_polling()
     }
 
     /// Publishes the ring's flags: `SQ_NEED_WAKEUP` as asked, `CQ_WAITING` as the backlog
@@ -153,7 +158,7 @@ impl QpState {
         let mut sends = Vec::new();
         let mut recvs = Vec::new();
         let mut staged = Vec::new();
-        for _ in 0..pending {
+        for _ in 0..pending.min(TAKE_PER_PASS) {
             let mut bytes = [0u8; SQE_SIZE];
             // Copy first: the client may rewrite the slot at any moment.
             if ring.read_at(layout.sqe(self.sq_head), &mut bytes).is_err() {
@@ -185,7 +190,9 @@ impl QpState {
                 continue;
             }
             let wr = self.next_wr;
-            match validate::check(&sub, rights, self.record.options.max_sge, wr) {
+            match validate::check_length(&sub, self.record.max_message)
+                .and_then(|()| validate::check(&sub, rights, self.record.options.max_sge, wr))
+            {
                 Ok(checked) => {
                     self.next_wr += 1;
                     match checked.work {
@@ -206,21 +213,31 @@ impl QpState {
             }
         }
         let _ = ring.store_u32(header::SQ_HEAD, self.sq_head);
-        let mut posted = HashMap::new();
+        // Exactly the requests the device took are in flight (and keep their regions
+        // pinned until they complete); the rest of a batch it stopped part-way is refused.
+        let mut posted = std::collections::HashSet::new();
         if !recvs.is_empty() {
-            match self.record.qp.post_recv(&recvs) {
-                Ok(()) => posted.extend(recvs.iter().map(|w| (w.wr_id, ()))),
-                Err(e) => tracing::debug!(qp = self.id, "post_recv: {e}"),
-            }
+            let n = match self.record.qp.post_recv(&recvs) {
+                Ok(()) => recvs.len(),
+                Err(e) => {
+                    tracing::debug!(qp = self.id, "post_recv: {e}");
+                    e.posted
+                }
+            };
+            posted.extend(recvs.iter().take(n).map(|w| w.wr_id));
         }
         if !sends.is_empty() {
-            match self.record.qp.post_send(&sends) {
-                Ok(()) => posted.extend(sends.iter().map(|w| (w.wr_id, ()))),
-                Err(e) => tracing::debug!(qp = self.id, "post_send: {e}"),
-            }
+            let n = match self.record.qp.post_send(&sends) {
+                Ok(()) => sends.len(),
+                Err(e) => {
+                    tracing::debug!(qp = self.id, "post_send: {e}");
+                    e.posted
+                }
+            };
+            posted.extend(sends.iter().take(n).map(|w| w.wr_id));
         }
         for (wr, flight) in staged {
-            if posted.contains_key(&wr) {
+            if posted.contains(&wr) {
                 if flight.opcode == Opcode::Recv {
                     self.recvs += 1;
                 } else {
@@ -319,7 +336,7 @@ impl QpState {
         }
         if delivered > 0 {
             let _ = ring.store_u32(header::CQ_TAIL, self.cq_tail);
-            let _ = nix::unistd::write(self.record.completion_event.as_fd(), &1u64.to_ne_bytes());
+            self.record.completion_event.signal();
         }
         if self.waiting || !self.backlog.is_empty() {
             self.store_flags(false);
@@ -564,6 +581,8 @@ fn run(
                 busy |= q.consume(&rights);
             }
             busy |= q.reap();
+            // A software device moves large requests a turn per poll: keep polling.
+            busy |= q.record.cq.needs_polling();
             busy |= q.deliver();
         }
         if busy {
@@ -600,7 +619,7 @@ fn sleep(qps: &mut [QpState], wake: &OwnedFd) {
         q.store_flags(true);
         let _ = q.record.cq.arm();
         let _ = epoll.add(
-            q.record.doorbell.as_fd(),
+            q.record.doorbell.daemon_end(),
             EpollEvent::new(EpollFlags::EPOLLIN, 0),
         );
         let _ = epoll.add(
@@ -621,7 +640,7 @@ fn sleep(qps: &mut [QpState], wake: &OwnedFd) {
     drain(wake.as_fd());
     for q in qps.iter_mut() {
         q.store_flags(false);
-        drain(q.record.doorbell.as_fd());
+        q.record.doorbell.drain();
         let _ = q.record.cq.acknowledge_events();
     }
 }
@@ -643,8 +662,11 @@ mod tests {
     fn ring_of(q: &QueuePairRecord) -> QueuePairRing {
         QueuePairRing::new(
             q.ring.fd().try_clone_to_owned().unwrap(),
-            q.doorbell.try_clone().unwrap(),
-            q.completion_event.try_clone().unwrap(),
+            q.doorbell.client_end().try_clone_to_owned().unwrap(),
+            q.completion_event
+                .client_end()
+                .try_clone_to_owned()
+                .unwrap(),
             RingInfo {
                 size: q.ring.len() as u64,
                 sq_entries: q.layout.sq_entries,

@@ -41,6 +41,7 @@ pub(super) fn create(pd: &Arc<PdInner>, depth: u32) -> Result<Arc<dyn Completion
         inner: Arc::new(CqInner {
             depth: depth as usize,
             queue: Mutex::default(),
+            unfinished: Mutex::default(),
             read: File::from(read),
             write: File::from(write),
         }),
@@ -67,6 +68,10 @@ struct Queue {
 pub(super) struct CqInner {
     depth: usize,
     queue: Mutex<Queue>,
+    /// QPs feeding this CQ whose send queue stopped at the end of a turn's budget with
+    /// work left (see `qp::TURN_BYTES`): polling the CQ runs their next turn, as a software
+    /// device's work progresses when its user polls.
+    unfinished: Mutex<Vec<u32>>,
     read: File,
     write: File,
 }
@@ -98,6 +103,14 @@ impl CqInner {
         true
     }
 
+    /// Asks the next poll to run `qp_num`'s next turn.
+    pub(super) fn continue_later(&self, qp_num: u32) {
+        let mut unfinished = lock(&self.unfinished);
+        if !unfinished.contains(&qp_num) {
+            unfinished.push(qp_num);
+        }
+    }
+
     /// How many completions were lost to overflow since the CQ was created.
     #[cfg(test)]
     pub(super) fn overflows(&self) -> u64 {
@@ -107,10 +120,18 @@ impl CqInner {
 
 impl CompletionQueue for LoopbackCq {
     fn poll(&self, out: &mut Vec<WorkCompletion>, max: usize) -> Result<usize> {
+        let unfinished = std::mem::take(&mut *lock(&self.inner.unfinished));
+        if !unfinished.is_empty() {
+            super::qp::run_turns(&self.pd.device, &unfinished);
+        }
         let mut queue = lock(&self.inner.queue);
         let n = max.min(queue.entries.len());
         out.extend(queue.entries.drain(..n));
         Ok(n)
+    }
+
+    fn needs_polling(&self) -> bool {
+        !lock(&self.inner.unfinished).is_empty()
     }
 
     fn arm(&self) -> Result<()> {

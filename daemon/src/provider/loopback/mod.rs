@@ -366,6 +366,7 @@ impl Device for LoopbackDevice {
             lid: 0,
             link_layer: LinkLayer::Ethernet,
             gid_table_len: 1024,
+            max_msg_sz: qp::MAX_MESSAGE,
         })
     }
 

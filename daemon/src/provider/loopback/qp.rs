@@ -1,6 +1,13 @@
 //! RC queue pairs and the data path: the requester and responder sides of every operation,
-//! run synchronously under the device's execution lock (see the module documentation of
-//! `loopback`).
+//! run under the device's execution lock (see the module documentation of `loopback`).
+//!
+//! Work runs in *turns*: one run of a send queue moves at most [`TURN_BYTES`] (each request
+//! costing at least [`REQUEST_COST`]), then lets go of the execution lock; a request larger
+//! than that moves on a chunk per turn, its progress kept at the head of the queue. The
+//! next turn comes when the CQ the QP feeds is polled, as a software device progresses when
+//! its user polls. So no request, however large, holds the device (and every other QP on
+//! it) for longer than one chunk's copy, and the worker that polls QP by QP gives each QP
+//! one turn per pass.
 //!
 //! What rxe does, and what is done here:
 //! - Responder checks run in rxe's order: QP state → opcode allowed by the responder QP's
@@ -35,9 +42,9 @@ use crate::lock::lock;
 use crate::memory::SharedMemory;
 use crate::provider::counters::Tracked;
 use crate::provider::{
-    Access, CompletionQueue, MemoryRegion, MemoryWindow, MwType, ObjectKind, ProviderError, QpInit,
-    QpState, QueuePair, RecvWr, RemoteEndpoint, Result, RtrAttributes, RtsAttributes, SendOp,
-    SendWr, Sge, WcOpcode, WcStatus, WorkCompletion,
+    Access, CompletionQueue, MemoryRegion, MemoryWindow, MwType, ObjectKind, PostError,
+    ProviderError, QpInit, QpState, QueuePair, RecvWr, RemoteEndpoint, Result, RtrAttributes,
+    RtsAttributes, SendOp, SendWr, Sge, WcOpcode, WcStatus, WorkCompletion,
 };
 
 /// Check RDMA accesses through a window against the window's own range as well as its
@@ -48,8 +55,14 @@ const ENFORCE_WINDOW_BOUNDS: bool = true;
 /// `IBV_WC_LOC_QP_OP_ERR`: what rxe reports for a failed local invalidate.
 const WC_LOC_QP_OP_ERR: u32 = 2;
 
-/// The largest message an RC QP carries (IB: 2^31 bytes).
-const MAX_MESSAGE: u64 = 1 << 31;
+/// The largest message an RC QP carries (IB: 2^31 bytes; the port's `max_msg_sz`).
+pub(super) const MAX_MESSAGE: u64 = 1 << 31;
+
+/// The most bytes one turn of a send queue moves under the execution lock.
+pub(super) const TURN_BYTES: u64 = 64 << 10;
+
+/// What a request costs a turn at the least, so a flood of tiny requests is bounded too.
+const REQUEST_COST: u64 = 512;
 
 const QPN_MASK: u32 = 0x00ff_ffff;
 const FIRST_QPN: u32 = 0x11;
@@ -176,6 +189,19 @@ struct Pending {
     wr: SendWr,
     /// Set while the request waits for its peer: why, and when to give up.
     waiting: Option<(Wait, Instant)>,
+    /// How far a request that needs more than one turn has got.
+    progress: Progress,
+}
+
+/// A request's progress across turns.
+#[derive(Debug, Clone, Default)]
+struct Progress {
+    /// Whether the first chunk ran (and with it the checks of the whole request).
+    started: bool,
+    /// Bytes moved so far.
+    done: u64,
+    /// The responder's receive the request consumed (SEND, WRITE with immediate).
+    recv: Option<RecvWr>,
 }
 
 /// Why a request cannot make progress yet.
@@ -190,6 +216,8 @@ enum Wait {
 enum Step {
     /// Executed; the byte count for the completion.
     Done(u32),
+    /// One chunk moved; the rest waits for the next turn.
+    Partial,
     /// Cannot progress yet; `per_try` is how long one retry waits.
     Blocked(Wait, Duration),
     /// Failed with this status; the QP goes to the error state.
@@ -214,6 +242,11 @@ const RNR_TIMER_US: [u64; 32] = [
     5_120, 7_680, 10_240, 15_360, 20_480, 30_720, 40_960, 61_440, 81_920, 122_880, 163_840,
     245_760, 327_680, 491_520,
 ];
+
+/// One turn for each of `qp_nums` (those a CQ poll found unfinished).
+pub(super) fn run_turns(device: &Arc<Shared>, qp_nums: &[u32]) {
+    drive(device, |ex| ex.kicks.extend(qp_nums.iter().copied()));
+}
 
 /// Runs `f` under the device's execution lock, then every QP it asked to be kicked.
 fn drive(device: &Arc<Shared>, f: impl FnOnce(&mut Exec<'_>)) {
@@ -271,23 +304,44 @@ impl Exec<'_> {
         lock(&self.device.qps).get(&qp_num).and_then(Weak::upgrade)
     }
 
-    /// Runs `qp`'s send queue as far as it goes (or flushes it if the QP is in error).
+    /// Runs one turn of `qp`'s send queue: as far as it goes within [`TURN_BYTES`] (or
+    /// flushes it if the QP is in error). Work left at the end of the turn waits for the
+    /// next poll of the QP's send CQ.
     fn run(&mut self, qp: &Arc<QpInner>) {
+        let mut budget = TURN_BYTES;
         loop {
             let (state, head) = {
                 let data = lock(&qp.data);
-                let head = data.sq.front().map(|p| (p.wr.clone(), p.waiting));
+                let head = data
+                    .sq
+                    .front()
+                    .map(|p| (p.wr.clone(), p.waiting, p.progress.clone()));
                 (data.state, head)
             };
             if state == QpState::Error {
                 self.flush(qp);
                 return;
             }
-            let Some((wr, waiting)) = head else { return };
+            let Some((wr, waiting, mut progress)) = head else {
+                return;
+            };
             if state != QpState::Rts {
                 return;
             }
-            match self.execute(qp, &wr) {
+            if budget == 0 {
+                qp.send_cq.continue_later(qp.qp_num);
+                return;
+            }
+            let step = self.execute(qp, &wr, &mut progress, &mut budget);
+            budget = budget.saturating_sub(REQUEST_COST.min(budget));
+            match step {
+                Step::Partial => {
+                    if let Some(head) = lock(&qp.data).sq.front_mut() {
+                        head.progress = progress;
+                    }
+                    qp.send_cq.continue_later(qp.qp_num);
+                    return;
+                }
                 Step::Done(byte_len) => {
                     let popped = lock(&qp.data).sq.pop_front();
                     drop(popped);
@@ -470,7 +524,15 @@ impl Exec<'_> {
         }
     }
 
-    fn execute(&mut self, qp: &Arc<QpInner>, wr: &SendWr) -> Step {
+    /// Runs `wr` (the head of `qp`'s send queue) as far as `budget` bytes go, from
+    /// `progress` on, and takes what it moved from `budget`.
+    fn execute(
+        &mut self,
+        qp: &Arc<QpInner>,
+        wr: &SendWr,
+        progress: &mut Progress,
+        budget: &mut u64,
+    ) -> Step {
         match &wr.op {
             SendOp::BindMw {
                 mw,
@@ -480,13 +542,32 @@ impl Exec<'_> {
                 access,
             } => self.bind(qp, mw.as_ref(), mr.as_ref(), *addr, *len, *access),
             SendOp::LocalInvalidate { rkey } => self.invalidate(qp, *rkey),
-            SendOp::Send { imm } => self.send(qp, wr, *imm),
+            SendOp::Send { imm } => self.send(qp, wr, *imm, progress, budget),
             SendOp::Write {
                 remote_addr,
                 rkey,
                 imm,
-            } => self.write(qp, wr, *remote_addr, *rkey, *imm),
-            SendOp::Read { remote_addr, rkey } => self.read(qp, wr, *remote_addr, *rkey),
+            } => self.write(
+                qp,
+                wr,
+                Remote {
+                    addr: *remote_addr,
+                    rkey: *rkey,
+                },
+                *imm,
+                progress,
+                budget,
+            ),
+            SendOp::Read { remote_addr, rkey } => self.read(
+                qp,
+                wr,
+                Remote {
+                    addr: *remote_addr,
+                    rkey: *rkey,
+                },
+                progress,
+                budget,
+            ),
             SendOp::FetchAdd {
                 remote_addr,
                 rkey,
@@ -513,31 +594,69 @@ impl Exec<'_> {
         }
     }
 
-    fn send(&mut self, qp: &Arc<QpInner>, wr: &SendWr, imm: Option<u32>) -> Step {
-        let data = match gather(self.device, qp.pd.id, &wr.sges) {
-            Ok(data) => data,
-            Err(status) => return Step::Failed(status),
-        };
+    /// A SEND: the first chunk checks the gather list, takes the responder's receive and
+    /// checks it holds the whole message; every chunk then moves up to `budget` bytes.
+    fn send(
+        &mut self,
+        qp: &Arc<QpInner>,
+        wr: &SendWr,
+        imm: Option<u32>,
+        progress: &mut Progress,
+        budget: &mut u64,
+    ) -> Step {
+        let total = message_len(&wr.sges);
+        if total > MAX_MESSAGE {
+            return Step::Failed(WcStatus::LocalLengthError);
+        }
         let peer = match self.peer(qp) {
             Ok(peer) => peer,
             Err(step) => return step,
         };
-        let recv = match self.take_recv(&peer) {
-            Ok(recv) => recv,
-            Err(step) => return step,
-        };
-        match plan_scatter(self.device, peer.pd.id, &recv.sges, data.len()) {
-            Ok(plan) => write_plan(&plan, &data),
-            Err(ScatterError::Length) => {
-                // The receiver sees a local length error; the sender an invalid request.
-                self.responder_error(
-                    &peer,
-                    Some((&recv, WcOpcode::Recv)),
-                    WcStatus::LocalLengthError,
-                );
-                return Step::Failed(WcStatus::RemoteInvalidRequestError);
+        if !progress.started {
+            if let Err(status) = check_gather(self.device, qp.pd.id, &wr.sges) {
+                return Step::Failed(status);
             }
-            Err(ScatterError::Protection) => {
+            let recv = match self.take_recv(&peer) {
+                Ok(recv) => recv,
+                Err(step) => return step,
+            };
+            match plan_scatter(self.device, peer.pd.id, &recv.sges, total as usize) {
+                Ok(_) => {}
+                Err(ScatterError::Length) => {
+                    // The receiver sees a local length error; the sender an invalid request.
+                    self.responder_error(
+                        &peer,
+                        Some((&recv, WcOpcode::Recv)),
+                        WcStatus::LocalLengthError,
+                    );
+                    return Step::Failed(WcStatus::RemoteInvalidRequestError);
+                }
+                Err(ScatterError::Protection) => {
+                    self.responder_error(
+                        &peer,
+                        Some((&recv, WcOpcode::Recv)),
+                        WcStatus::LocalProtectionError,
+                    );
+                    return Step::Failed(WcStatus::RemoteOperationError);
+                }
+            }
+            progress.started = true;
+            progress.recv = Some(recv);
+        }
+        let Some(recv) = progress.recv.clone() else {
+            return Step::Failed(WcStatus::LocalProtectionError);
+        };
+        let n = (total - progress.done).min(*budget);
+        if n > 0 {
+            let data = match gather_range(self.device, qp.pd.id, &wr.sges, progress.done, n) {
+                Ok(data) => data,
+                Err(status) => {
+                    // The message never arrives: its receive stays the responder's.
+                    lock(&peer.data).rq.push_front(recv);
+                    return Step::Failed(status);
+                }
+            };
+            if scatter_range(self.device, peer.pd.id, &recv.sges, progress.done, &data).is_err() {
                 self.responder_error(
                     &peer,
                     Some((&recv, WcOpcode::Recv)),
@@ -545,8 +664,13 @@ impl Exec<'_> {
                 );
                 return Step::Failed(WcStatus::RemoteOperationError);
             }
+            progress.done += n;
+            *budget -= n;
         }
-        let byte_len = data.len() as u32;
+        if progress.done < total {
+            return Step::Partial;
+        }
+        let byte_len = total as u32;
         if !peer.recv_cq.push(WorkCompletion {
             wr_id: recv.wr_id,
             status: WcStatus::Success,
@@ -565,58 +689,79 @@ impl Exec<'_> {
         lock(&peer.data).access.contains(needed)
     }
 
+    /// An RDMA WRITE: the rkey is checked for every chunk, as a device checks every packet,
+    /// so a window invalidated mid-transfer stops it.
     fn write(
         &mut self,
         qp: &Arc<QpInner>,
         wr: &SendWr,
-        remote_addr: u64,
-        rkey: u32,
+        remote: Remote,
         imm: Option<u32>,
+        progress: &mut Progress,
+        budget: &mut u64,
     ) -> Step {
-        let data = match gather(self.device, qp.pd.id, &wr.sges) {
-            Ok(data) => data,
-            Err(status) => return Step::Failed(status),
-        };
+        let total = message_len(&wr.sges);
+        if total > MAX_MESSAGE {
+            return Step::Failed(WcStatus::LocalLengthError);
+        }
         let peer = match self.peer(qp) {
             Ok(peer) => peer,
             Err(step) => return step,
         };
-        if !Self::allows(&peer, Access::REMOTE_WRITE) {
-            self.responder_error(&peer, None, WcStatus::RemoteInvalidRequestError);
-            return Step::Failed(WcStatus::RemoteInvalidRequestError);
+        if !progress.started {
+            if let Err(status) = check_gather(self.device, qp.pd.id, &wr.sges) {
+                return Step::Failed(status);
+            }
+            if !Self::allows(&peer, Access::REMOTE_WRITE) {
+                self.responder_error(&peer, None, WcStatus::RemoteInvalidRequestError);
+                return Step::Failed(WcStatus::RemoteInvalidRequestError);
+            }
+            if imm.is_some() {
+                match self.take_recv(&peer) {
+                    Ok(recv) => progress.recv = Some(recv),
+                    Err(step) => return step,
+                }
+            }
+            progress.started = true;
         }
-        let recv = match imm {
-            Some(_) => match self.take_recv(&peer) {
-                Ok(recv) => Some(recv),
-                Err(step) => return step,
-            },
-            None => None,
-        };
-        if !data.is_empty() {
-            let len = data.len() as u64;
-            match resolve_remote(
+        let n = (total - progress.done).min(*budget);
+        if n > 0 {
+            let data = match gather_range(self.device, qp.pd.id, &wr.sges, progress.done, n) {
+                Ok(data) => data,
+                Err(status) => {
+                    if let Some(recv) = progress.recv.take() {
+                        lock(&peer.data).rq.push_front(recv);
+                    }
+                    return Step::Failed(status);
+                }
+            };
+            let target = resolve_remote(
                 self.device,
                 &peer,
-                rkey,
-                remote_addr,
-                len,
+                remote.rkey,
+                remote.addr.wrapping_add(progress.done),
+                n,
                 Access::REMOTE_WRITE,
-            ) {
-                Some((memory, offset)) => {
-                    if memory.write_at(offset, &data).is_err() {
-                        // Cannot happen: the range was checked against the registration.
-                        return Step::Failed(WcStatus::RemoteAccessError);
-                    }
-                }
-                None => {
-                    let consumed = recv.as_ref().map(|r| (r, WcOpcode::RecvRdmaWithImm));
+            );
+            match target {
+                Some((memory, offset)) if memory.write_at(offset, &data).is_ok() => {}
+                _ => {
+                    let consumed = progress
+                        .recv
+                        .as_ref()
+                        .map(|r| (r, WcOpcode::RecvRdmaWithImm));
                     self.responder_error(&peer, consumed, WcStatus::RemoteAccessError);
                     return Step::Failed(WcStatus::RemoteAccessError);
                 }
             }
+            progress.done += n;
+            *budget -= n;
         }
-        let byte_len = data.len() as u32;
-        if let Some(recv) = recv {
+        if progress.done < total {
+            return Step::Partial;
+        }
+        let byte_len = total as u32;
+        if let Some(recv) = progress.recv.take() {
             if !peer.recv_cq.push(WorkCompletion {
                 wr_id: recv.wr_id,
                 status: WcStatus::Success,
@@ -631,42 +776,62 @@ impl Exec<'_> {
         Step::Done(byte_len)
     }
 
-    fn read(&mut self, qp: &Arc<QpInner>, wr: &SendWr, remote_addr: u64, rkey: u32) -> Step {
-        let len: u64 = wr.sges.iter().map(|s| u64::from(s.length)).sum();
-        if len > MAX_MESSAGE {
+    /// An RDMA READ, a chunk per turn; the response lands in our SGEs, which need local
+    /// write.
+    fn read(
+        &mut self,
+        qp: &Arc<QpInner>,
+        wr: &SendWr,
+        remote: Remote,
+        progress: &mut Progress,
+        budget: &mut u64,
+    ) -> Step {
+        let total = message_len(&wr.sges);
+        if total > MAX_MESSAGE {
             return Step::Failed(WcStatus::LocalLengthError);
         }
         let peer = match self.peer(qp) {
             Ok(peer) => peer,
             Err(step) => return step,
         };
-        if !Self::allows(&peer, Access::REMOTE_READ) {
+        if !progress.started && !Self::allows(&peer, Access::REMOTE_READ) {
             self.responder_error(&peer, None, WcStatus::RemoteInvalidRequestError);
             return Step::Failed(WcStatus::RemoteInvalidRequestError);
         }
-        let mut data = vec![0u8; len as usize];
-        if len > 0 {
-            match resolve_remote(
+        let n = (total - progress.done).min(*budget);
+        if n > 0 {
+            let mut data = vec![0u8; n as usize];
+            let source = resolve_remote(
                 self.device,
                 &peer,
-                rkey,
-                remote_addr,
-                len,
+                remote.rkey,
+                remote.addr.wrapping_add(progress.done),
+                n,
                 Access::REMOTE_READ,
-            ) {
+            );
+            match source {
                 Some((memory, offset)) if memory.read_at(offset, &mut data).is_ok() => {}
                 _ => {
                     self.responder_error(&peer, None, WcStatus::RemoteAccessError);
                     return Step::Failed(WcStatus::RemoteAccessError);
                 }
             }
+            if !progress.started
+                && plan_scatter(self.device, qp.pd.id, &wr.sges, total as usize).is_err()
+            {
+                return Step::Failed(WcStatus::LocalProtectionError);
+            }
+            if scatter_range(self.device, qp.pd.id, &wr.sges, progress.done, &data).is_err() {
+                return Step::Failed(WcStatus::LocalProtectionError);
+            }
+            progress.done += n;
+            *budget -= n;
         }
-        // The response lands in our SGEs, which need local write.
-        match plan_scatter(self.device, qp.pd.id, &wr.sges, data.len()) {
-            Ok(plan) => write_plan(&plan, &data),
-            Err(_) => return Step::Failed(WcStatus::LocalProtectionError),
+        progress.started = true;
+        if progress.done < total {
+            return Step::Partial;
         }
-        Step::Done(len as u32)
+        Step::Done(total as u32)
     }
 
     fn atomic(
@@ -842,23 +1007,113 @@ fn local(device: &Shared, pd: u64, sge: &Sge, len: u64, needed: Access) -> Optio
         .filter(|reg| reg.pd == pd && reg.access.contains(needed) && reg.contains(sge.addr, len))
 }
 
-/// Reads the bytes of a gather list (no access right needed to read local memory).
-fn gather(device: &Shared, pd: u64, sges: &[Sge]) -> std::result::Result<Vec<u8>, WcStatus> {
-    let total: u64 = sges.iter().map(|s| u64::from(s.length)).sum();
-    if total > MAX_MESSAGE {
-        return Err(WcStatus::LocalLengthError);
-    }
-    let mut data = Vec::with_capacity(total as usize);
+/// Where an RDMA operation points in the responder's memory.
+#[derive(Debug, Clone, Copy)]
+struct Remote {
+    addr: u64,
+    rkey: u32,
+}
+
+/// The length of the message a list of SGEs gathers or scatters.
+fn message_len(sges: &[Sge]) -> u64 {
+    sges.iter().map(|s| u64::from(s.length)).sum()
+}
+
+/// Checks that every SGE of a gather list lies inside a registration of `pd` (reading
+/// local memory needs no access right).
+fn check_gather(device: &Shared, pd: u64, sges: &[Sge]) -> std::result::Result<(), WcStatus> {
     for sge in sges.iter().filter(|s| s.length > 0) {
-        let reg = local(device, pd, sge, u64::from(sge.length), Access::NONE)
+        local(device, pd, sge, u64::from(sge.length), Access::NONE)
             .ok_or(WcStatus::LocalProtectionError)?;
+    }
+    Ok(())
+}
+
+/// The pieces of `[offset, offset + len)` of the message a list of SGEs describes: each
+/// SGE's part as (lkey, address, length).
+fn pieces(sges: &[Sge], offset: u64, len: u64) -> impl Iterator<Item = (u32, u64, u64)> + '_ {
+    let mut skip = offset;
+    let mut want = len;
+    sges.iter().filter_map(move |sge| {
+        let sge_len = u64::from(sge.length);
+        if want == 0 || sge_len == 0 {
+            return None;
+        }
+        if skip >= sge_len {
+            skip -= sge_len;
+            return None;
+        }
+        let n = (sge_len - skip).min(want);
+        let piece = (sge.lkey, sge.addr.wrapping_add(skip), n);
+        skip = 0;
+        want -= n;
+        Some(piece)
+    })
+}
+
+/// A local piece's registration and offset in it, if `lkey` is registered in `pd`, covers
+/// the piece and grants `needed`.
+fn local_piece(
+    device: &Shared,
+    pd: u64,
+    (lkey, addr, len): (u32, u64, u64),
+    needed: Access,
+) -> Option<(Registration, usize)> {
+    device
+        .registration(lkey)
+        .filter(|reg| reg.pd == pd && reg.access.contains(needed) && reg.contains(addr, len))
+        .map(|reg| {
+            let offset = (addr - reg.addr) as usize;
+            (reg, offset)
+        })
+}
+
+/// Reads `[offset, offset + len)` of the message a gather list describes.
+fn gather_range(
+    device: &Shared,
+    pd: u64,
+    sges: &[Sge],
+    offset: u64,
+    len: u64,
+) -> std::result::Result<Vec<u8>, WcStatus> {
+    let mut data = Vec::with_capacity(len as usize);
+    for piece in pieces(sges, offset, len) {
+        let (reg, at) =
+            local_piece(device, pd, piece, Access::NONE).ok_or(WcStatus::LocalProtectionError)?;
         let start = data.len();
-        data.resize(start + sge.length as usize, 0);
+        data.resize(start + piece.2 as usize, 0);
         reg.memory
-            .read_at((sge.addr - reg.addr) as usize, &mut data[start..])
+            .read_at(at, &mut data[start..])
             .map_err(|_| WcStatus::LocalProtectionError)?;
     }
+    if data.len() as u64 != len {
+        return Err(WcStatus::LocalLengthError);
+    }
     Ok(data)
+}
+
+/// Writes `data` at `offset` of the message a scatter list describes (local write needed).
+fn scatter_range(
+    device: &Shared,
+    pd: u64,
+    sges: &[Sge],
+    offset: u64,
+    data: &[u8],
+) -> std::result::Result<(), ScatterError> {
+    let mut pos = 0usize;
+    for piece in pieces(sges, offset, data.len() as u64) {
+        let (reg, at) =
+            local_piece(device, pd, piece, Access::LOCAL_WRITE).ok_or(ScatterError::Protection)?;
+        let n = piece.2 as usize;
+        reg.memory
+            .write_at(at, &data[pos..pos + n])
+            .map_err(|_| ScatterError::Protection)?;
+        pos += n;
+    }
+    if pos != data.len() {
+        return Err(ScatterError::Length);
+    }
+    Ok(())
 }
 
 enum ScatterError {
@@ -1038,7 +1293,7 @@ impl QueuePair for LoopbackQp {
         Ok(())
     }
 
-    fn post_send(&self, wrs: &[SendWr]) -> Result<()> {
+    fn post_send(&self, wrs: &[SendWr]) -> Result<(), PostError> {
         let mut posted = 0;
         let mut refused = None;
         {
@@ -1046,10 +1301,10 @@ impl QueuePair for LoopbackQp {
             if !matches!(data.state, QpState::Rts | QpState::Error) {
                 // rxe: EINVAL before the send queue is ready. An ERROR QP accepts work and
                 // flushes it.
-                return Err(self.invalid(format!(
+                return Err(PostError::none(self.invalid(format!(
                     "post_send in state {:?}: sends need RTS",
                     data.state
-                )));
+                ))));
             }
             for wr in wrs {
                 if let Err(message) = self.check_bind(wr) {
@@ -1083,6 +1338,7 @@ impl QueuePair for LoopbackQp {
                 data.sq.push_back(Pending {
                     wr: wr.clone(),
                     waiting: None,
+                    progress: Progress::default(),
                 });
                 posted += 1;
             }
@@ -1090,17 +1346,19 @@ impl QueuePair for LoopbackQp {
         if posted > 0 {
             self.kick_self_and(None);
         }
-        refused.map_or(Ok(()), Err)
+        refused.map_or(Ok(()), |error| Err(PostError { posted, error }))
     }
 
-    fn post_recv(&self, wrs: &[RecvWr]) -> Result<()> {
+    fn post_recv(&self, wrs: &[RecvWr]) -> Result<(), PostError> {
         let mut posted = 0;
         let mut refused = None;
         let peer;
         {
             let mut data = lock(&self.inner.data);
             if data.state == QpState::Reset {
-                return Err(self.invalid("post_recv in state Reset".to_owned()));
+                return Err(PostError::none(
+                    self.invalid("post_recv in state Reset".to_owned()),
+                ));
             }
             peer = data.remote.as_ref().map(|r| r.qp_num);
             for wr in wrs {
@@ -1132,7 +1390,7 @@ impl QueuePair for LoopbackQp {
             // Flushes us if we are in error; lets a peer waiting on RNR deliver.
             self.kick_self_and(peer);
         }
-        refused.map_or(Ok(()), Err)
+        refused.map_or(Ok(()), |error| Err(PostError { posted, error }))
     }
 
     fn as_any(&self) -> &dyn std::any::Any {

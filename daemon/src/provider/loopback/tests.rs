@@ -125,16 +125,16 @@ impl End {
     }
 
     fn post(&self, wr_id: u64, op: SendOp, sges: Vec<Sge>) -> Result<()> {
-        self.qp.post_send(&[SendWr {
+        Ok(self.qp.post_send(&[SendWr {
             wr_id,
             op,
             sges,
             signaled: true,
-        }])
+        }])?)
     }
 
     fn recv(&self, wr_id: u64, sges: Vec<Sge>) -> Result<()> {
-        self.qp.post_recv(&[RecvWr { wr_id, sges }])
+        Ok(self.qp.post_recv(&[RecvWr { wr_id, sges }])?)
     }
 
     fn polled(&self) -> Vec<WorkCompletion> {
@@ -446,7 +446,10 @@ fn queue_depths_are_enforced() {
             signaled: true,
         })
         .collect();
-    assert!(is_enomem(a.qp.post_send(&wrs)));
+    // Two fit: the error says so.
+    let refused = a.qp.post_send(&wrs).unwrap_err();
+    assert_eq!(refused.posted, 2, "{refused}");
+    assert!(is_enomem::<()>(Err(refused.error)));
     assert!(is_enomem(a.post(9, send(9), vec![])));
     // Too many SGEs is EINVAL.
     assert!(is_invalid(b.recv(1, vec![b.sge(0, 1); 5])));
@@ -633,7 +636,7 @@ fn window_types_keys_and_bounds() {
         sges: vec![],
         signaled: true,
     };
-    assert!(is_invalid(b.qp.post_send(&[bind1])));
+    assert!(is_invalid(b.qp.post_send(&[bind1]).map_err(|e| e.error)));
     assert_eq!(
         b.qp.state().unwrap(),
         QpState::Rts,

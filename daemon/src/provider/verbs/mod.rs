@@ -416,6 +416,7 @@ impl Device for VerbsDevice {
             lid: attr.lid,
             link_layer: link_layer(attr.link_layer),
             gid_table_len: to_u32(attr.gid_tbl_len),
+            max_msg_sz: u64::from(attr.max_msg_sz),
         })
     }
 

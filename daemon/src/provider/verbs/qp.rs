@@ -23,8 +23,8 @@ use super::cq::VerbsCq;
 use super::{verb_error, PdInner, VerbsMr, VerbsMw};
 use crate::provider::counters::Tracked;
 use crate::provider::{
-    Access, CompletionQueue, MwType, ObjectKind, ProviderError, QpInit, QpState, QueuePair, RecvWr,
-    RemoteEndpoint, Result, RtrAttributes, RtsAttributes, SendOp, SendWr, Sge,
+    Access, CompletionQueue, MwType, ObjectKind, PostError, ProviderError, QpInit, QpState,
+    QueuePair, RecvWr, RemoteEndpoint, Result, RtrAttributes, RtsAttributes, SendOp, SendWr, Sge,
 };
 
 /// An RC QP. Holds its CQs and PD, so they are destroyed after it.
@@ -454,7 +454,7 @@ impl QueuePair for VerbsQp {
     /// the next bind (rxe checks it: without the update, the second bind of a window after
     /// an invalidation completes with `MemoryWindowBindError` — measured). Binding one window
     /// from two threads at once, or twice in one batch, is not supported.
-    fn post_send(&self, wrs: &[SendWr]) -> Result<()> {
+    fn post_send(&self, wrs: &[SendWr]) -> Result<(), PostError> {
         if wrs.is_empty() {
             return Ok(());
         }
@@ -463,7 +463,10 @@ impl QueuePair for VerbsQp {
         let mut raw_wrs: Vec<ibv_send_wr> = Vec::with_capacity(wrs.len());
         let mut binds = Vec::new();
         for (index, wr) in wrs.iter().enumerate() {
-            raw_wrs.push(self.raw_send_wr(wr, &mut binds, index)?);
+            raw_wrs.push(
+                self.raw_send_wr(wr, &mut binds, index)
+                    .map_err(PostError::none)?,
+            );
             firsts.push(sges.len());
             sges.extend(wr.sges.iter().map(raw_sge));
         }
@@ -493,12 +496,15 @@ impl QueuePair for VerbsQp {
                 self.qp_num,
                 wrs.len()
             );
-            return Err(verb_error(self.name(), "ibv_post_send", rc));
+            return Err(PostError {
+                posted,
+                error: verb_error(self.name(), "ibv_post_send", rc),
+            });
         }
         Ok(())
     }
 
-    fn post_recv(&self, wrs: &[RecvWr]) -> Result<()> {
+    fn post_recv(&self, wrs: &[RecvWr]) -> Result<(), PostError> {
         if wrs.is_empty() {
             return Ok(());
         }
@@ -511,7 +517,9 @@ impl QueuePair for VerbsQp {
                 next: ptr::null_mut(),
                 sg_list: ptr::null_mut(),
                 num_sge: c_int::try_from(wr.sges.len()).map_err(|_| {
-                    self.invalid(format!("{} SGEs in one work request", wr.sges.len()))
+                    PostError::none(
+                        self.invalid(format!("{} SGEs in one work request", wr.sges.len())),
+                    )
                 })?,
             });
             firsts.push(sges.len());
@@ -523,14 +531,17 @@ impl QueuePair for VerbsQp {
         // lists stay alive for the call (the provider copies them).
         let rc = unsafe { ibv_post_recv(self.qp.as_ptr(), head, &mut bad) };
         if rc != 0 {
+            let posted = posted_before(head, bad, wrs.len());
             tracing::debug!(
-                "{}: ibv_post_recv on QP {} posted {} of {} work requests",
+                "{}: ibv_post_recv on QP {} posted {posted} of {} work requests",
                 self.name(),
                 self.qp_num,
-                posted_before(head, bad, wrs.len()),
                 wrs.len()
             );
-            return Err(verb_error(self.name(), "ibv_post_recv", rc));
+            return Err(PostError {
+                posted,
+                error: verb_error(self.name(), "ibv_post_recv", rc),
+            });
         }
         Ok(())
     }
@@ -943,11 +954,16 @@ mod tests {
                 })
                 .collect();
             match a.post_send(&wrs) {
-                Err(ProviderError::Os {
-                    operation, source, ..
+                Err(PostError {
+                    posted,
+                    error:
+                        ProviderError::Os {
+                            operation, source, ..
+                        },
                 }) => {
                     assert_eq!(operation, "ibv_post_send");
                     assert_eq!(source.raw_os_error(), Some(libc::ENOMEM), "{source}");
+                    assert!(posted < wrs.len(), "{posted} of {} posted", wrs.len());
                 }
                 other => panic!("expected an Os error, got {other:?}"),
             }
