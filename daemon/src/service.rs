@@ -95,7 +95,8 @@ async fn serve(args: Args, config: Config, log: LogHandle) -> anyhow::Result<()>
             _ = sighup.recv() => {
                 tracing::info!("SIGHUP: reloading the configuration");
                 // The reloader logs and reports its own outcome.
-                let _ = reloader();
+                let reloader = Arc::clone(&reloader);
+                let _ = tokio::task::spawn_blocking(move || reloader()).await;
             }
             _ = watchdog_tick.tick(), if watchdog.is_some() => notify(&[NotifyState::Watchdog]),
         }

@@ -5,7 +5,8 @@
 //! - `RDMAD_TEST_HANDBACK_DELAY_MS=N`: a data-path worker slow to let go of queue pairs.
 //!   From the first time a worker is asked to let go of one, for N ms, workers keep serving
 //!   every QP they have but let go of none (nor take new ones) — longer than the engine
-//!   waits for them (5 s), so that path runs.
+//!   waits for them (5 s), so that path runs. The daemon logs when the hold starts and
+//!   when it ends (`test hook: …`), so a test can wait for either.
 //! - `RDMAD_TEST_SLOW_DEVICE_MS=N`: every loopback registration and queue-pair creation
 //!   takes N ms more, as on a slow device.
 
@@ -14,8 +15,9 @@ use std::sync::OnceLock;
 #[cfg(debug_assertions)]
 use std::time::Duration;
 
-/// Whether a worker must keep the QPs it was asked to let go of for now.
-pub fn hold_handback() -> bool {
+/// Whether a worker must keep the QPs it is asked to let go of for now; `lets_go` says
+/// whether the change at hand lets go of any (asked only when the hook is on).
+pub fn hold_handback(lets_go: impl FnOnce() -> bool) -> bool {
     #[cfg(debug_assertions)]
     {
         use std::time::Instant;
@@ -23,15 +25,26 @@ pub fn hold_handback() -> bool {
         let Some(delay) = from_env(&DELAY, "RDMAD_TEST_HANDBACK_DELAY_MS") else {
             return false;
         };
+        if !lets_go() {
+            return false;
+        }
         static STARTED: OnceLock<Instant> = OnceLock::new();
         let started = STARTED.get_or_init(|| {
             tracing::warn!("test hook: the data-path workers let go of nothing for {delay:?}");
             Instant::now()
         });
-        started.elapsed() < delay
+        if started.elapsed() < delay {
+            return true;
+        }
+        static ENDED: std::sync::Once = std::sync::Once::new();
+        ENDED.call_once(|| tracing::warn!("test hook: the data-path workers let go again"));
+        false
     }
     #[cfg(not(debug_assertions))]
-    false
+    {
+        let _ = lets_go;
+        false
+    }
 }
 
 /// A device operation (`operation`, named as the verb) that takes longer.

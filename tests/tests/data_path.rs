@@ -247,7 +247,7 @@ mod bodies {
     }
 
     /// A session killed while two of its regions are exported (through two queue pairs),
-    /// with a data-path worker slow to let go of its queue pairs — 9 s, longer than the
+    /// with a data-path worker slow to let go of its queue pairs — 15 s, longer than the
     /// daemon waits for it (5 s; `rdmad::test_hooks`): the windows go before the memory
     /// all the same. While the worker still holds the dead session's queue pairs, no window
     /// is left and the peer's old rkeys get a remote access error; once it lets go, nothing
@@ -255,10 +255,10 @@ mod bodies {
     pub async fn killed_session_with_exports_and_a_slow_worker_leaves_nothing(provider: &str) {
         const COLD: &str =
             "[[pool]]\nname = \"default\"\ncapacity = \"16MiB\"\nsize_classes = [\"4KiB\"]\n";
-        let (bus, _d) = start_with_env(
+        let (bus, d) = start_with_env(
             provider,
             COLD,
-            vec![("RDMAD_TEST_HANDBACK_DELAY_MS", "9000".to_owned())],
+            vec![("RDMAD_TEST_HANDBACK_DELAY_MS", "15000".to_owned())],
         )
         .await;
         let baseline = object_counts(&bus).await;
@@ -317,6 +317,10 @@ mod bodies {
             );
         }
 
+        // The worker lets go of a's queue pairs (and destroys them) once the hold ends;
+        // b's are let go of after them.
+        d.wait_for_log("test hook: the data-path workers let go again", 1)
+            .await;
         b.kill();
         let after = wait_for_sessions(&bus, 0).await;
         assert_eq!(after, baseline, "objects");

@@ -21,8 +21,8 @@ use crate::policy::Caller;
 /// Runs engine work that may block — any verbs call (creating, connecting, querying or
 /// destroying queue pairs, reading the device's attributes, ports and GID table),
 /// registering or deregistering memory, waiting for a data-path worker to bind a window or
-/// let go of a queue pair, user and group lookups — on a blocking thread, never on one of
-/// the few threads that serve the bus, so one client's slow call never delays another's.
+/// let go of a queue pair, reloading the configuration — on a blocking thread, never on one
+/// of the few threads that serve the bus, so one client's slow call never delays another's.
 pub async fn blocking<T: Send + 'static>(
     engine: &Arc<Engine>,
     work: impl FnOnce(&Engine) -> T + Send + 'static,

@@ -64,7 +64,13 @@ impl Manager {
         let caller = self.ctx.caller(connection, &header).await?;
         policy::require_admin(&caller, &self.ctx.config(), "Reload")?;
         tracing::info!(uid = caller.uid, sender = %caller.bus_name, "reload requested over D-Bus");
-        (self.ctx.reloader)().map_err(Error::InvalidArgument)
+        // Reading the file, looking up the users and groups it names and asking the
+        // devices for their limits all may block.
+        let reloader = Arc::clone(&self.ctx.reloader);
+        self.ctx
+            .blocking(move |_| reloader())
+            .await?
+            .map_err(Error::InvalidArgument)
     }
 
     /// Opens a session owned by the calling connection (no options yet). It ends with

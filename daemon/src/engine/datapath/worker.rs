@@ -598,14 +598,14 @@ fn run(
     }
 }
 
-/// Whether this change lets go of a QP while a test holds the hand-back back (debug builds
+/// Whether a test holds back the hand-back of QPs this change lets go of (debug builds
 /// only, see `test_hooks`): the worker then goes on serving what it has.
 fn handback_held(qps: &[QpState], shared: &WorkerQps) -> bool {
-    crate::test_hooks::hold_handback() && {
+    crate::test_hooks::hold_handback(|| {
         let current = lock(&shared.qps);
         qps.iter()
             .any(|q| current.iter().all(|(id, _)| *id != q.id))
-    }
+    })
 }
 
 /// Arms everything and sleeps until a doorbell, a completion or a wake-up.
