@@ -7,7 +7,7 @@
 //!   alloc POOL SIZE               → [region path, size]
 //!   write N OFFSET TEXT           → null          (through the client's mapping)
 //!   read N OFFSET LEN             → text
-//!   fill N BYTE                   → null          (the whole region, through the mapping)
+//!   touch N BYTE                  → null          (a byte in every page, through the mapping)
 //!   share N ro|rw [SECONDS]       → [token, key id]
 //!   attach TOKEN                  → [region path, size, access]
 //!   maprw N                       → null, or the mmap error (maps region N writable again)
@@ -242,15 +242,16 @@ async fn main() {
                         Err(e) => json!({"io_error": e.to_string()}),
                     })
                 }
-                "fill" => {
-                    // fill N BYTE: the whole region, through the client's mapping.
+                "touch" => {
+                    // touch N BYTE: one byte in every page, through the client's mapping, so
+                    // every page of the region is allocated.
                     let h = &held[num(0) as usize];
-                    let bytes = vec![num(1) as u8; h.size as usize];
-                    h.mapping
-                        .as_ref()
-                        .expect("mapped")
-                        .write(0, &bytes)
-                        .map_err(|e| Error::InvalidArgument(e.to_string()))?;
+                    let mapping = h.mapping.as_ref().expect("mapped");
+                    for page in (0..h.size as usize).step_by(4096) {
+                        mapping
+                            .write(page, &[num(1) as u8])
+                            .map_err(|e| Error::InvalidArgument(e.to_string()))?;
+                    }
                     Ok(Value::Null)
                 }
                 "read" => {
