@@ -124,29 +124,35 @@ impl RegionMapping {
     }
 }
 
+/// The unit of the shared-memory copies: a pointer-sized word, the widest relaxed atomic
+/// load Rust allows on read-only memory (a read-only attachment is mapped `PROT_READ`).
+const WORD: usize = std::mem::size_of::<usize>();
+
 /// Copies `dst.len()` bytes of shared memory at `src` into `dst`. Another process may write
-/// the source at any time, so every byte is read with an atomic load (aligned 8-byte words
+/// the source at any time, so every byte is read with a relaxed atomic load (aligned words
 /// where it can), never with a plain copy the compiler may assume is race-free: the bytes
 /// read are then whatever was there, never undefined behaviour.
 ///
 /// # Safety
-/// `src..src + dst.len()` must lie inside one live mapping for the whole call.
+/// `src..src + dst.len()` must lie inside one live mapping for the whole call. The mapping
+/// may be read-only: only relaxed loads of at most a word are made, which Rust allows on
+/// read-only memory.
 pub unsafe fn copy_from_shared(src: *const u8, dst: &mut [u8]) {
-    use std::sync::atomic::{AtomicU64, AtomicU8, Ordering::Relaxed};
+    use std::sync::atomic::{AtomicU8, AtomicUsize, Ordering::Relaxed};
     let len = dst.len();
-    let head = src.align_offset(8).min(len);
-    let words = (len - head) / 8;
+    let head = src.align_offset(WORD).min(len);
+    let words = (len - head) / WORD;
     for (i, byte) in dst[..head].iter_mut().enumerate() {
         // SAFETY: inside the mapping (the caller's promise); any address is aligned for u8.
         *byte = unsafe { AtomicU8::from_ptr(src.add(i).cast_mut()) }.load(Relaxed);
     }
     for w in 0..words {
-        let at = head + 8 * w;
-        // SAFETY: inside the mapping, and 8-byte aligned (`head` aligned the source).
-        let word = unsafe { AtomicU64::from_ptr(src.add(at).cast_mut().cast()) }.load(Relaxed);
-        dst[at..at + 8].copy_from_slice(&word.to_ne_bytes());
+        let at = head + WORD * w;
+        // SAFETY: inside the mapping, and word aligned (`head` aligned the source).
+        let word = unsafe { AtomicUsize::from_ptr(src.add(at).cast_mut().cast()) }.load(Relaxed);
+        dst[at..at + WORD].copy_from_slice(&word.to_ne_bytes());
     }
-    for (i, byte) in dst.iter_mut().enumerate().skip(head + 8 * words) {
+    for (i, byte) in dst.iter_mut().enumerate().skip(head + WORD * words) {
         // SAFETY: as for the head bytes.
         *byte = unsafe { AtomicU8::from_ptr(src.add(i).cast_mut()) }.load(Relaxed);
     }
@@ -158,21 +164,21 @@ pub unsafe fn copy_from_shared(src: *const u8, dst: &mut [u8]) {
 /// # Safety
 /// `dst..dst + src.len()` must lie inside one live writable mapping for the whole call.
 pub unsafe fn copy_to_shared(src: &[u8], dst: *mut u8) {
-    use std::sync::atomic::{AtomicU64, AtomicU8, Ordering::Relaxed};
+    use std::sync::atomic::{AtomicU8, AtomicUsize, Ordering::Relaxed};
     let len = src.len();
-    let head = dst.align_offset(8).min(len);
-    let words = (len - head) / 8;
+    let head = dst.align_offset(WORD).min(len);
+    let words = (len - head) / WORD;
     for (i, &byte) in src[..head].iter().enumerate() {
         // SAFETY: inside the writable mapping (the caller's promise).
         unsafe { AtomicU8::from_ptr(dst.add(i)) }.store(byte, Relaxed);
     }
     for w in 0..words {
-        let at = head + 8 * w;
-        let word = u64::from_ne_bytes(src[at..at + 8].try_into().expect("8 bytes"));
-        // SAFETY: inside the writable mapping, and 8-byte aligned (`head` aligned it).
-        unsafe { AtomicU64::from_ptr(dst.add(at).cast()) }.store(word, Relaxed);
+        let at = head + WORD * w;
+        let word = usize::from_ne_bytes(src[at..at + WORD].try_into().expect("a word"));
+        // SAFETY: inside the writable mapping, and word aligned (`head` aligned it).
+        unsafe { AtomicUsize::from_ptr(dst.add(at).cast()) }.store(word, Relaxed);
     }
-    for (i, &byte) in src.iter().enumerate().skip(head + 8 * words) {
+    for (i, &byte) in src.iter().enumerate().skip(head + WORD * words) {
         // SAFETY: as for the head bytes.
         unsafe { AtomicU8::from_ptr(dst.add(i)) }.store(byte, Relaxed);
     }

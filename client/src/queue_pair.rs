@@ -131,6 +131,13 @@ impl QueuePairRing {
             nix::poll::poll(&mut fds, nix::poll::PollTimeout::from(ms))?;
             let mut buf = [0u8; 256];
             match nix::unistd::read(std::os::fd::AsRawFd::as_raw_fd(&self.completions), &mut buf) {
+                // The daemon holds the other end as long as it serves the QP.
+                Ok(0) => {
+                    return Err(io::Error::new(
+                        io::ErrorKind::BrokenPipe,
+                        "rdmad no longer serves this queue pair (destroyed, or rdmad stopped)",
+                    ))
+                }
                 Ok(_) | Err(nix::errno::Errno::EAGAIN) => {}
                 Err(e) => return Err(e.into()),
             }

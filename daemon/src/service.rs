@@ -15,6 +15,23 @@ use crate::engine::{Engine, EngineError};
 use crate::logging::{self, LogHandle};
 
 /// Runs the daemon until SIGTERM or SIGINT.
+/// Every queue pair holds several descriptors (its ring, its wake-up pipes, its CQ's
+/// channel) and every region one: the soft limit (1,024 by default) would let a single
+/// tenant at its quotas leave rdmad none for anyone else. The hard limit is the bound the
+/// system sets; quotas keep every tenant well inside it.
+fn raise_descriptor_limit() {
+    use nix::sys::resource::{getrlimit, setrlimit, Resource};
+    match getrlimit(Resource::RLIMIT_NOFILE) {
+        Ok((soft, hard)) if soft < hard => {
+            if let Err(e) = setrlimit(Resource::RLIMIT_NOFILE, hard, hard) {
+                tracing::warn!("cannot raise the descriptor limit from {soft} to {hard}: {e}");
+            }
+        }
+        Ok(_) => {}
+        Err(e) => tracing::warn!("cannot read the descriptor limit: {e}"),
+    }
+}
+
 pub fn run(args: Args) -> anyhow::Result<()> {
     let config = Config::load_or_default(&args.config)?;
     if args.check_config {
@@ -29,6 +46,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         args.log_target,
         args.log_level.unwrap_or(config.daemon.log_level),
     );
+    raise_descriptor_limit();
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .thread_name("rdmad")

@@ -234,7 +234,14 @@ mod bodies {
             before >> 20,
             after >> 20
         );
-        // What the client kept reads as zeros, never the old bytes or anyone else's.
+        // Every file the client kept holds no page, and reads as zeros.
+        for n in 1..=cycles {
+            assert_eq!(
+                attacker.ok(&format!("blocks {n}")),
+                0,
+                "region {n} kept its pages"
+            );
+        }
         assert_eq!(attacker.ok("read 1 0 8"), "\0".repeat(8));
         let quota = attacker.ok(&format!("quota {NOBODY}"));
         let charged = quota

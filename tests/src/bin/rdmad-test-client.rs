@@ -7,6 +7,7 @@
 //!   alloc POOL SIZE               → [region path, size]
 //!   write N OFFSET TEXT           → null          (through the client's mapping)
 //!   read N OFFSET LEN             → text
+//!   blocks N                      → the blocks region N's memfd still has allocated
 //!   touch N BYTE                  → null          (a byte in every page, through the mapping)
 //!   share N ro|rw [SECONDS]       → [token, key id]
 //!   attach TOKEN                  → [region path, size, access]
@@ -241,6 +242,13 @@ async fn main() {
                         Ok(()) => Value::Null,
                         Err(e) => json!({"io_error": e.to_string()}),
                     })
+                }
+                "blocks" => {
+                    // blocks N: the 512-byte blocks the region's file still has allocated.
+                    use std::os::fd::AsRawFd;
+                    let stat = nix::sys::stat::fstat(held[num(0) as usize].fd.as_raw_fd())
+                        .map_err(|e| Error::InvalidArgument(e.to_string()))?;
+                    Ok(json!(stat.st_blocks))
                 }
                 "touch" => {
                     // touch N BYTE: one byte in every page, through the client's mapping, so

@@ -7,8 +7,12 @@
 //! for ever, and one that fills the counter to `u64::MAX - 1` blocks the daemon's next
 //! write — either stops the worker and every other tenant's queue pairs with it. A pipe's
 //! two ends are two open file descriptions: the client can change its own end's flags,
-//! fill the pipe, close, dup or reopen its end (through `/proc/self/fd`), and the daemon's
-//! end stays non-blocking; the daemon's reads and writes are bounded and never wait.
+//! fill the pipe, close or dup its end, and the daemon's end stays non-blocking; the daemon's
+//! reads and writes are bounded and never wait. (Reopening an end through `/proc/self/fd`
+//! is refused to other users — the pipes are the daemon's, mode 0600 — and gives root only
+//! an open file description of its own.) The daemon keeps its copy of the client's ends
+//! too: so a client closing its end never makes the daemon's end hang up (an epoll that
+//! returns at once for ever, or `EPIPE`).
 //! (A socket pair would also have separate ends, but a client could pass descriptors
 //! through it, and the daemon closing them on receipt could be made to wait.)
 

@@ -105,9 +105,22 @@ impl CqInner {
 
     /// Asks the next poll to run `qp_num`'s next turn.
     pub(super) fn continue_later(&self, qp_num: u32) {
-        let mut unfinished = lock(&self.unfinished);
-        if !unfinished.contains(&qp_num) {
+        {
+            let mut unfinished = lock(&self.unfinished);
+            if unfinished.contains(&qp_num) {
+                return;
+            }
             unfinished.push(qp_num);
+        }
+        // A poller asleep on the channel must come and run the next turn.
+        let mut queue = lock(&self.queue);
+        if queue.armed {
+            queue.armed = false;
+            if let Err(e) = (&self.write).write(&[1]) {
+                if e.kind() != ErrorKind::WouldBlock {
+                    tracing::error!("loopback CQ: cannot signal the completion channel: {e}");
+                }
+            }
         }
     }
 

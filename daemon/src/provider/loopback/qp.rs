@@ -334,11 +334,12 @@ impl Exec<'_> {
             }
             let step = self.execute(qp, &wr, &mut progress, &mut budget);
             budget = budget.saturating_sub(REQUEST_COST.min(budget));
+            // The head always says what it holds (a receive it took), whatever comes next.
+            if let Some(head) = lock(&qp.data).sq.front_mut() {
+                head.progress = progress;
+            }
             match step {
                 Step::Partial => {
-                    if let Some(head) = lock(&qp.data).sq.front_mut() {
-                        head.progress = progress;
-                    }
                     qp.send_cq.continue_later(qp.qp_num);
                     return;
                 }
@@ -404,7 +405,9 @@ impl Exec<'_> {
     /// Completes the head request with an error and moves the QP to the error state.
     fn fail_head(&mut self, qp: &Arc<QpInner>, wr: &SendWr, status: WcStatus) {
         let popped = lock(&qp.data).sq.pop_front();
-        drop(popped);
+        if let Some(pending) = popped {
+            self.give_back(qp, &pending.progress);
+        }
         // Error completions are reported whether or not the request was signaled.
         qp.send_cq.push(WorkCompletion {
             wr_id: wr.wr_id,
@@ -415,6 +418,20 @@ impl Exec<'_> {
             qp_num: qp.qp_num,
         });
         self.error(qp);
+    }
+
+    /// A receive a half-done request of `qp` took from its responder goes back to the front
+    /// of the responder's queue (the message never arrived), and the responder runs again
+    /// (flushing it, if it is in error): a receive is never lost with the request.
+    fn give_back(&mut self, qp: &QpInner, progress: &Progress) {
+        let Some(recv) = progress.recv.clone() else {
+            return;
+        };
+        let peer = lock(&qp.data).remote.as_ref().map(|r| r.qp_num);
+        if let Some(peer) = peer.and_then(|n| self.lookup(n)) {
+            lock(&peer.data).rq.push_front(recv);
+            self.kicks.push(peer.qp_num);
+        }
     }
 
     /// Moves `qp` to the error state and flushes it; its peer may be waiting on it.
@@ -439,6 +456,7 @@ impl Exec<'_> {
             (std::mem::take(&mut data.sq), std::mem::take(&mut data.rq))
         };
         for pending in &sq {
+            self.give_back(qp, &pending.progress);
             qp.send_cq.push(WorkCompletion {
                 wr_id: pending.wr.wr_id,
                 status: WcStatus::WrFlushError,
@@ -652,11 +670,13 @@ impl Exec<'_> {
                 Ok(data) => data,
                 Err(status) => {
                     // The message never arrives: its receive stays the responder's.
-                    lock(&peer.data).rq.push_front(recv);
+                    self.give_back(qp, progress);
+                    progress.recv = None;
                     return Step::Failed(status);
                 }
             };
             if scatter_range(self.device, peer.pd.id, &recv.sges, progress.done, &data).is_err() {
+                progress.recv = None;
                 self.responder_error(
                     &peer,
                     Some((&recv, WcOpcode::Recv)),
@@ -729,9 +749,8 @@ impl Exec<'_> {
             let data = match gather_range(self.device, qp.pd.id, &wr.sges, progress.done, n) {
                 Ok(data) => data,
                 Err(status) => {
-                    if let Some(recv) = progress.recv.take() {
-                        lock(&peer.data).rq.push_front(recv);
-                    }
+                    self.give_back(qp, progress);
+                    progress.recv = None;
                     return Step::Failed(status);
                 }
             };
@@ -746,10 +765,8 @@ impl Exec<'_> {
             match target {
                 Some((memory, offset)) if memory.write_at(offset, &data).is_ok() => {}
                 _ => {
-                    let consumed = progress
-                        .recv
-                        .as_ref()
-                        .map(|r| (r, WcOpcode::RecvRdmaWithImm));
+                    let taken = progress.recv.take();
+                    let consumed = taken.as_ref().map(|r| (r, WcOpcode::RecvRdmaWithImm));
                     self.responder_error(&peer, consumed, WcStatus::RemoteAccessError);
                     return Step::Failed(WcStatus::RemoteAccessError);
                 }
@@ -1437,6 +1454,9 @@ impl Drop for LoopbackQp {
                     data.remote.as_ref().map(|r| r.qp_num),
                 )
             };
+            for pending in &sq {
+                ex.give_back(inner, &pending.progress);
+            }
             drop((sq, rq));
             // A peer waiting on us now times out.
             ex.kicks.extend(peer);

@@ -65,6 +65,8 @@ struct Opts {
     rnr_retry: u8,
     timeout: u8,
     retry_cnt: u8,
+    /// Bytes of each end's registered memory.
+    mem: usize,
 }
 
 impl Default for Opts {
@@ -77,6 +79,7 @@ impl Default for Opts {
             rnr_retry: 7,
             timeout: 14,
             retry_cnt: 7,
+            mem: 8192,
         }
     }
 }
@@ -84,7 +87,7 @@ impl Default for Opts {
 impl End {
     fn new(dev: &LoopbackDevice, pd: Option<&Arc<dyn ProtectionDomain>>, opts: &Opts) -> End {
         let pd = pd.map_or_else(|| dev.alloc_pd().unwrap(), Arc::clone);
-        let mem = Arc::new(SharedMemory::create(c"lo-qp", 8192).unwrap());
+        let mem = Arc::new(SharedMemory::create(c"lo-qp", opts.mem).unwrap());
         let mr = pd.register(mem, opts.mr_access).unwrap();
         let cq = pd.create_cq(opts.cq_depth).unwrap();
         let qp = pd
@@ -1024,4 +1027,61 @@ fn key_indices_wrap_around_live_keys() {
         );
     }
     assert!(is_enomem(register(&pd)));
+}
+
+/// A SEND larger than a turn moves a chunk per poll of the sender's CQ, across SGE and turn
+/// boundaries that do not line up, and arrives whole with its full length.
+#[test]
+fn a_send_larger_than_a_turn_arrives_whole() {
+    let dev = LoopbackDevice::new("lo-turns");
+    let opts = Opts {
+        mem: 1 << 20,
+        ..Opts::default()
+    };
+    let (a, b) = pair(&dev, &opts);
+    let pattern: Vec<u8> = (0..300_000u32).map(|i| (i % 251) as u8).collect();
+    a.mr.memory().write_at(0, &pattern).unwrap();
+    b.recv(1, vec![b.sge(1000, 123_457), b.sge(200_000, 400_000)])
+        .unwrap();
+    a.post(2, send(2), vec![a.sge(0, 100_001), a.sge(100_001, 199_999)])
+        .unwrap();
+    assert!(
+        a.cq.needs_polling(),
+        "the first turn leaves work for the next poll"
+    );
+    let wc = a.wait();
+    assert_eq!(
+        (wc.wr_id, wc.status, wc.byte_len),
+        (2, WcStatus::Success, 300_000)
+    );
+    assert!(!a.cq.needs_polling());
+    let got = b.wait();
+    assert_eq!((got.wr_id, got.byte_len), (1, 300_000));
+    let mut arrived = b.read(1000, 123_457);
+    arrived.extend(b.read(200_000, 300_000 - 123_457));
+    assert!(arrived == pattern, "the bytes arrived in order");
+}
+
+/// A half-done SEND whose QP is destroyed, or fails, gives its receive back: the responder
+/// still completes it (here, flushed), never loses it.
+#[test]
+fn a_half_done_send_gives_its_receive_back() {
+    for how in ["destroy", "error"] {
+        let dev = LoopbackDevice::new("lo-give-back");
+        let opts = Opts {
+            mem: 1 << 20,
+            ..Opts::default()
+        };
+        let (a, b) = pair(&dev, &opts);
+        b.recv(1, vec![b.sge(0, 500_000)]).unwrap();
+        a.post(2, send(2), vec![a.sge(0, 500_000)]).unwrap();
+        assert!(a.cq.needs_polling(), "{how}: the send is under way");
+        match how {
+            "destroy" => drop(a),
+            _ => a.qp.to_error().unwrap(),
+        }
+        b.qp.to_error().unwrap();
+        let flushed: Vec<_> = b.polled().iter().map(|w| (w.wr_id, w.status)).collect();
+        assert_eq!(flushed, [(1, WcStatus::WrFlushError)], "{how}");
+    }
 }
