@@ -60,13 +60,20 @@ mod bodies {
         let mut c = Client::start(bus, Some(uid));
         c.ok("open");
         c.ok(&format!("alloc {pool} {size}"));
-        let dev = device(&mut c);
-        c.ok(&format!("qp {dev} 32 32"));
-        c.ok(&format!("qp {dev} 32 32"));
-        let (e0, e1) = (c.ok("endpoint 0"), c.ok("endpoint 1"));
-        c.ok(&format!("connect 0 {e1}"));
-        c.ok(&format!("connect 1 {e0}"));
+        add_connected_qps(&mut c, 0, 32);
         c
+    }
+
+    /// Two more QPs of `depth` for `c` (its QPs `first` and `first + 1`), connected to each
+    /// other.
+    fn add_connected_qps(c: &mut Client, first: usize, depth: u64) {
+        let dev = device(c);
+        c.ok(&format!("qp {dev} {depth} 32"));
+        c.ok(&format!("qp {dev} {depth} 32"));
+        let a = c.ok(&format!("endpoint {first}"));
+        let b = c.ok(&format!("endpoint {}", first + 1));
+        c.ok(&format!("connect {first} {b}"));
+        c.ok(&format!("connect {} {a}", first + 1));
     }
 
     /// The victim's round-trip latency: {median_us, p99_us, max_us}.
@@ -190,13 +197,7 @@ mod bodies {
 
     /// The host's `Shmem` (shared memory pages, memfds included), in bytes.
     fn host_shmem() -> u64 {
-        let meminfo = std::fs::read_to_string("/proc/meminfo").expect("/proc/meminfo");
-        let kib: u64 = meminfo
-            .lines()
-            .find_map(|l| l.strip_prefix("Shmem:"))
-            .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
-            .expect("Shmem in /proc/meminfo");
-        kib << 10
+        meminfo("Shmem:") << 10
     }
 
     /// 50 cycles (16 on Soft-RoCE, where each registration of 64 MiB is slow under
@@ -283,12 +284,7 @@ mod bodies {
         attacker.ok("open");
         attacker.ok(&format!("alloc default {SIZE}"));
         attacker.ok(&format!("alloc default {SIZE}"));
-        let dev = device(&mut attacker);
-        attacker.ok(&format!("qp {dev} {WRITES} 16"));
-        attacker.ok(&format!("qp {dev} {WRITES} 16"));
-        let (e0, e1) = (attacker.ok("endpoint 0"), attacker.ok("endpoint 1"));
-        attacker.ok(&format!("connect 0 {e1}"));
-        attacker.ok(&format!("connect 1 {e0}"));
+        add_connected_qps(&mut attacker, 0, WRITES);
         let export = attacker.ok("export 1 1");
         let (addr, rkey) = (export[0].as_u64().unwrap(), export[1].as_u64().unwrap());
         let queued = attacker.ok(&format!("flood 0 0 {WRITES} {SIZE} {addr} {rkey}"));
@@ -296,11 +292,7 @@ mod bodies {
 
         let flooded = victim.ok(&format!("rtt 0 1 0 {}", 5 * ROUND_TRIPS));
         let started = std::time::Instant::now();
-        victim.ok(&format!("qp {dev} 8 8"));
-        victim.ok(&format!("qp {dev} 8 8"));
-        let (e2, e3) = (victim.ok("endpoint 2"), victim.ok("endpoint 3"));
-        victim.ok(&format!("connect 2 {e3}"));
-        victim.ok(&format!("connect 3 {e2}"));
+        add_connected_qps(&mut victim, 2, 8);
         let control = started.elapsed();
         let done = attacker.ok("qpinfo 0")["completed"].as_u64().unwrap();
         assert!(
@@ -398,17 +390,8 @@ mod bodies {
         let pages = Hugepages::reserve(4);
         let config = "[[pool]]\nname = \"huge\"\ncapacity = \"4MiB\"\nsize_classes = [\"2MiB\"]\nhugepages = true\n";
         let (bus, daemon) = start_on("loopback", config).await;
-        let mut victim = Client::start(&bus, Some(VICTIM));
-        victim.ok("open");
         // The victim's own memory comes from the same hugepage pool.
-        victim.ok("alloc huge 2097152");
-        let dev = device(&mut victim);
-        for _ in 0..2 {
-            victim.ok(&format!("qp {dev} 32 32"));
-        }
-        let (e0, e1) = (victim.ok("endpoint 0"), victim.ok("endpoint 1"));
-        victim.ok(&format!("connect 0 {e1}"));
-        victim.ok(&format!("connect 1 {e0}"));
+        let mut victim = with_connected_qps(&bus, VICTIM, "huge", 2 << 20);
         let idle = round_trips(&mut victim);
 
         let mut attacker = with_connected_qps(&bus, NOBODY, "huge", 2 << 20);

@@ -16,7 +16,7 @@ use super::validate::{self, RegionRights, Work};
 use crate::engine::qp::{QpId, QueuePairRecord};
 use crate::engine::Registry;
 use crate::lock::lock;
-use crate::provider::{MemoryRegion, WcOpcode, WcStatus, WorkCompletion};
+use crate::provider::{MemoryRegion, PostError, WcOpcode, WcStatus, WorkCompletion};
 
 /// The QPs a worker serves, shared with the engine that adds and removes them.
 #[derive(Debug, Default)]
@@ -215,25 +215,20 @@ impl QpState {
         let _ = ring.store_u32(header::SQ_HEAD, self.sq_head);
         // Exactly the requests the device took are in flight (and keep their regions
         // pinned until they complete); the rest of a batch it stopped part-way is refused.
+        let taken = |what: &str, len: usize, result: Result<(), PostError>| match result {
+            Ok(()) => len,
+            Err(e) => {
+                tracing::debug!(qp = self.id, "{what}: {e}");
+                e.posted
+            }
+        };
         let mut posted = std::collections::HashSet::new();
         if !recvs.is_empty() {
-            let n = match self.record.qp.post_recv(&recvs) {
-                Ok(()) => recvs.len(),
-                Err(e) => {
-                    tracing::debug!(qp = self.id, "post_recv: {e}");
-                    e.posted
-                }
-            };
+            let n = taken("post_recv", recvs.len(), self.record.qp.post_recv(&recvs));
             posted.extend(recvs.iter().take(n).map(|w| w.wr_id));
         }
         if !sends.is_empty() {
-            let n = match self.record.qp.post_send(&sends) {
-                Ok(()) => sends.len(),
-                Err(e) => {
-                    tracing::debug!(qp = self.id, "post_send: {e}");
-                    e.posted
-                }
-            };
+            let n = taken("post_send", sends.len(), self.record.qp.post_send(&sends));
             posted.extend(sends.iter().take(n).map(|w| w.wr_id));
         }
         for (wr, flight) in staged {

@@ -565,27 +565,14 @@ impl Exec<'_> {
                 remote_addr,
                 rkey,
                 imm,
-            } => self.write(
-                qp,
-                wr,
-                Remote {
-                    addr: *remote_addr,
-                    rkey: *rkey,
-                },
-                *imm,
-                progress,
-                budget,
-            ),
-            SendOp::Read { remote_addr, rkey } => self.read(
-                qp,
-                wr,
-                Remote {
-                    addr: *remote_addr,
-                    rkey: *rkey,
-                },
-                progress,
-                budget,
-            ),
+            } => {
+                let remote = Remote::new(*remote_addr, *rkey);
+                self.write(qp, wr, remote, *imm, progress, budget)
+            }
+            SendOp::Read { remote_addr, rkey } => {
+                let remote = Remote::new(*remote_addr, *rkey);
+                self.read(qp, wr, remote, progress, budget)
+            }
             SendOp::FetchAdd {
                 remote_addr,
                 rkey,
@@ -1029,6 +1016,12 @@ fn local(device: &Shared, pd: u64, sge: &Sge, len: u64, needed: Access) -> Optio
 struct Remote {
     addr: u64,
     rkey: u32,
+}
+
+impl Remote {
+    fn new(addr: u64, rkey: u32) -> Remote {
+        Remote { addr, rkey }
+    }
 }
 
 /// The length of the message a list of SGEs gathers or scatters.
