@@ -130,6 +130,14 @@ impl SharedMemory {
         self.hugepages
     }
 
+    /// `[offset, offset + len)` of the mapping as the kernel's copies name it.
+    fn kernel_range(&self, offset: usize, len: usize) -> [nix::sys::uio::RemoteIoVec; 1] {
+        [nix::sys::uio::RemoteIoVec {
+            base: self.addr() as usize + offset,
+            len,
+        }]
+    }
+
     /// Copies `buf.len()` bytes at `offset` out of the mapping. Fails (`EFAULT`) where a
     /// client punched a hugepage the system cannot give back.
     pub fn read_at(&self, offset: usize, buf: &mut [u8]) -> io::Result<()> {
@@ -138,15 +146,11 @@ impl SharedMemory {
             return Ok(());
         }
         if self.hugepages {
-            let remote = [nix::sys::uio::RemoteIoVec {
-                base: self.addr() as usize + offset,
-                len: buf.len(),
-            }];
             let len = buf.len();
             let done = nix::sys::uio::process_vm_readv(
                 nix::unistd::Pid::this(),
                 &mut [io::IoSliceMut::new(buf)],
-                &remote,
+                &self.kernel_range(offset, len),
             )?;
             return short_copy(done, len);
         }
@@ -163,14 +167,10 @@ impl SharedMemory {
             return Ok(());
         }
         if self.hugepages {
-            let remote = [nix::sys::uio::RemoteIoVec {
-                base: self.addr() as usize + offset,
-                len: data.len(),
-            }];
             let done = nix::sys::uio::process_vm_writev(
                 nix::unistd::Pid::this(),
                 &[io::IoSlice::new(data)],
-                &remote,
+                &self.kernel_range(offset, data.len()),
             )?;
             return short_copy(done, data.len());
         }
