@@ -1,0 +1,374 @@
+//! Sessions, regions and access keys, and who owns what. Every session's resources are
+//! released as one unit; quota usage is reserved under the same lock that checks it, so
+//! concurrent requests never overshoot.
+
+mod queue_pairs;
+mod regions;
+mod sessions;
+mod sharing;
+#[cfg(test)]
+mod tests;
+mod views;
+
+pub use views::{KeyInfo, QuotaLine, RegionInfo, SessionInfo};
+
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::os::fd::OwnedFd;
+use std::sync::{Arc, Mutex};
+use std::time::SystemTime;
+
+use super::pool::{Pool, PoolError};
+use super::qp::{self, Export, ExportId, QpId, QpOptions, QueuePairRecord};
+use super::DeviceEntry;
+use super::EngineError;
+use crate::config::{Config, QuotaKind};
+use crate::lock::lock;
+use crate::policy::keys::{self, KeyDigest};
+use crate::policy::quota::{self, Usage};
+use crate::policy::{self, lookups, Caller};
+use crate::provider::MemoryRegion;
+
+pub type SessionId = u64;
+pub type RegionId = u64;
+pub type KeyId = u64;
+
+/// How a region is attached (and what an access key grants).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum AttachMode {
+    ReadOnly,
+    ReadWrite,
+}
+
+impl AttachMode {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            AttachMode::ReadOnly => "ro",
+            AttachMode::ReadWrite => "rw",
+        }
+    }
+
+    pub fn parse(s: &str) -> Option<AttachMode> {
+        match s {
+            "ro" => Some(AttachMode::ReadOnly),
+            "rw" => Some(AttachMode::ReadWrite),
+            _ => None,
+        }
+    }
+}
+
+#[derive(Debug)]
+struct Session {
+    owner: Caller,
+    created: SystemTime,
+    regions: BTreeSet<RegionId>,
+    attachments: BTreeMap<RegionId, AttachMode>,
+    qps: BTreeSet<QpId>,
+}
+
+#[derive(Debug)]
+struct Region {
+    session: SessionId,
+    owner_uid: u32,
+    pool: Arc<Pool>,
+    requested: u64,
+    mr: Arc<dyn MemoryRegion>,
+    keys: BTreeSet<KeyId>,
+    attached: BTreeMap<SessionId, AttachMode>,
+    /// Windows bound over it for peers: (queue pair, export).
+    exports: BTreeSet<(QpId, ExportId)>,
+}
+
+impl Region {
+    fn size(&self) -> u64 {
+        self.mr.len() as u64
+    }
+}
+
+#[derive(Debug)]
+struct Key {
+    region: RegionId,
+    digest: KeyDigest,
+    access: AttachMode,
+    expires: Option<SystemTime>,
+    owner_uid: u32,
+}
+
+#[derive(Debug, Default)]
+struct State {
+    sessions: BTreeMap<SessionId, Session>,
+    regions: BTreeMap<RegionId, Region>,
+    keys: BTreeMap<KeyId, Key>,
+    qps: BTreeMap<QpId, Arc<QueuePairRecord>>,
+    usage: HashMap<u32, Usage>,
+    last_session: SessionId,
+    last_region: RegionId,
+    last_key: KeyId,
+    last_qp: QpId,
+    last_export: ExportId,
+    /// Sessions taken out of the registry whose objects are still being released. They
+    /// still count as sessions ([`Registry::counts`]), so that whoever sees the count of
+    /// sessions drop also sees what they held released: provider objects, pool space.
+    releasing: usize,
+}
+
+/// What a teardown removed, so the D-Bus layer can withdraw the objects.
+#[derive(Debug, Default, PartialEq, Eq)]
+pub struct Removed {
+    pub sessions: Vec<SessionId>,
+    pub regions: Vec<RegionId>,
+    pub qps: Vec<QpId>,
+}
+
+impl Removed {
+    fn extend(&mut self, other: Removed) {
+        self.sessions.extend(other.sessions);
+        self.regions.extend(other.regions);
+        self.qps.extend(other.qps);
+    }
+}
+
+/// A memory window bound through a queue pair.
+type Window = Arc<dyn crate::provider::MemoryWindow>;
+
+/// A window taken out of the queue pair it was bound through, with what must outlive it.
+/// Fields drop in order: the window (its rkey dies), then that queue pair (rxe blocks ~50 s
+/// destroying a QP with a valid type-2 window), then the registration it is bound over
+/// (rxe refuses to deregister an MR with a bound window).
+#[derive(Debug)]
+pub struct TakenWindow {
+    pub window: Window,
+    pub bound_through: Arc<QueuePairRecord>,
+    pub over: Arc<dyn MemoryRegion>,
+}
+
+impl TakenWindow {
+    fn new(export: Export, bound_through: &Arc<QueuePairRecord>) -> TakenWindow {
+        let Export { window, mr, .. } = export;
+        TakenWindow {
+            window,
+            bound_through: Arc::clone(bound_through),
+            over: mr,
+        }
+    }
+}
+
+/// Device objects released outside the lock (destruction can be slow). Windows are always
+/// taken out of their queue pairs explicitly — never left inside one that someone else
+/// (a data-path worker slow to let go) may still hold — and go first.
+#[derive(Default)]
+struct Garbage {
+    windows: Vec<TakenWindow>,
+    qps: Vec<Arc<QueuePairRecord>>,
+    mrs: Vec<Arc<dyn MemoryRegion>>,
+}
+
+impl Garbage {
+    fn extend(&mut self, other: Garbage) {
+        self.windows.extend(other.windows);
+        self.qps.extend(other.qps);
+        self.mrs.extend(other.mrs);
+    }
+
+    /// Takes every window out of queue pair `qp` (being removed) and out of its regions'
+    /// lists of exports, which stop counting against their owners' `exports` quota.
+    fn take_windows_of(&mut self, s: &mut State, qp: QpId, record: &Arc<QueuePairRecord>) {
+        let exports = std::mem::take(&mut *lock(&record.exports));
+        for (export, e) in exports {
+            if let Some(region) = s.regions.get_mut(&e.region) {
+                if region.exports.remove(&(qp, export)) {
+                    let uid = region.owner_uid;
+                    if let Some(usage) = s.usage.get_mut(&uid) {
+                        usage.sub(QuotaKind::Exports, 1);
+                    }
+                    Registry::forget_idle_user(s, uid);
+                }
+            }
+            self.windows.push(TakenWindow::new(e, record));
+        }
+    }
+}
+
+/// A region handed to a client: its id, a descriptor of its memfd and its size.
+#[derive(Debug)]
+pub struct Handout {
+    pub region: RegionId,
+    pub fd: OwnedFd,
+    pub size: u64,
+    pub access: AttachMode,
+}
+
+fn not_authorized(message: impl Into<String>) -> EngineError {
+    EngineError::NotAuthorized(message.into())
+}
+
+/// Told which queue pairs were removed, before they are released (the data-path workers
+/// let go of them).
+pub type QpListener = Box<dyn Fn(&[QpId]) + Send + Sync>;
+
+/// Told after every teardown.
+pub type ReleaseListener = Box<dyn Fn() + Send + Sync>;
+
+#[derive(Default)]
+pub struct Registry {
+    state: Mutex<State>,
+    qp_listener: std::sync::OnceLock<QpListener>,
+    release_listener: std::sync::OnceLock<ReleaseListener>,
+}
+
+impl std::fmt::Debug for Registry {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Registry")
+            .field("state", &self.state)
+            .finish_non_exhaustive()
+    }
+}
+
+/// The registry's state, locked. While it is held, user and group lookups (NSS, which may
+/// block on a directory server) are a bug, checked in debug builds: see
+/// [`crate::policy::lookups`].
+struct Locked<'a> {
+    // Field order is drop order: the lock is released, then lookups are allowed again.
+    state: std::sync::MutexGuard<'a, State>,
+    _no_lookups: lookups::Forbidden,
+}
+
+impl std::ops::Deref for Locked<'_> {
+    type Target = State;
+    fn deref(&self) -> &State {
+        &self.state
+    }
+}
+
+impl std::ops::DerefMut for Locked<'_> {
+    fn deref_mut(&mut self) -> &mut State {
+        &mut self.state
+    }
+}
+
+impl Registry {
+    fn lock(&self) -> Locked<'_> {
+        Locked {
+            state: lock(&self.state),
+            _no_lookups: lookups::forbid(),
+        }
+    }
+
+    /// Sets who hears of removed queue pairs (once).
+    pub fn set_qp_listener(&self, listener: QpListener) {
+        if self.qp_listener.set(listener).is_err() {
+            tracing::error!("the queue-pair listener was set twice");
+        }
+    }
+
+    /// Sets what runs after every teardown (once): the engine retries what the devices
+    /// refused to destroy.
+    pub fn set_release_listener(&self, listener: ReleaseListener) {
+        if self.release_listener.set(listener).is_err() {
+            tracing::error!("the release listener was set twice");
+        }
+    }
+
+    /// Releases what a teardown removed. Windows go first, whatever the data-path workers
+    /// do: their rkeys die at once, and no window is left to outlive its memory. Then the
+    /// listener has the workers let go of the removed QPs (bounded: a worker that does not
+    /// in time keeps its QPs until it does, and then destroys them itself), then the QPs,
+    /// then the registrations.
+    fn release(&self, removed_qps: &[QpId], garbage: Garbage) {
+        let Garbage { windows, qps, mrs } = garbage;
+        drop(windows);
+        if !removed_qps.is_empty() {
+            if let Some(listener) = self.qp_listener.get() {
+                listener(removed_qps);
+            }
+        }
+        drop(qps);
+        drop(mrs);
+        if let Some(listener) = self.release_listener.get() {
+            listener();
+        }
+    }
+
+    /// Sessions (those still being released included), regions and keys.
+    pub fn counts(&self) -> (usize, usize, usize) {
+        let s = self.lock();
+        (
+            s.sessions.len() + s.releasing,
+            s.regions.len(),
+            s.keys.len(),
+        )
+    }
+
+    /// Releases what removed sessions held, outside the lock (`s`), counting them as
+    /// sessions until it is done.
+    fn release_sessions(&self, mut s: Locked<'_>, removed: &Removed, garbage: Garbage) {
+        struct Releasing<'a>(&'a Registry, usize);
+        impl Drop for Releasing<'_> {
+            fn drop(&mut self) {
+                self.0.lock().releasing -= self.1;
+            }
+        }
+        s.releasing += removed.sessions.len();
+        drop(s);
+        let _done = Releasing(self, removed.sessions.len());
+        self.release(&removed.qps, garbage);
+    }
+
+    pub fn qp_count(&self) -> usize {
+        self.lock().qps.len()
+    }
+
+    /// Live usage of `uid` (zero when it holds nothing).
+    pub fn usage(&self, uid: u32) -> Usage {
+        self.lock().usage.get(&uid).copied().unwrap_or_default()
+    }
+
+    fn forget_idle_user(s: &mut State, uid: u32) {
+        if s.usage.get(&uid).is_some_and(Usage::is_zero) {
+            s.usage.remove(&uid);
+        }
+    }
+
+    /// Checks `amount` more of `kind` against `caller`'s limits and reserves them, in one
+    /// step under the lock; [`Registry::unreserve`] gives them back if the creation fails.
+    pub fn reserve(
+        &self,
+        config: &Config,
+        caller: &Caller,
+        kind: QuotaKind,
+        amount: u64,
+    ) -> Result<(), EngineError> {
+        let limits = quota::limits_for(config, caller.uid, &caller.gids);
+        let mut s = self.lock();
+        let usage = s.usage.entry(caller.uid).or_default();
+        let checked = quota::check(&limits, usage, kind, amount);
+        if checked.is_ok() {
+            usage.add(kind, amount);
+        }
+        Self::forget_idle_user(&mut s, caller.uid);
+        checked.map_err(EngineError::from)
+    }
+
+    /// Gives back use reserved for a creation that failed.
+    pub fn unreserve(&self, uid: u32, charges: &[(QuotaKind, u64)]) {
+        let mut s = self.lock();
+        if let Some(usage) = s.usage.get_mut(&uid) {
+            for &(kind, amount) in charges {
+                usage.sub(kind, amount);
+            }
+        }
+        Self::forget_idle_user(&mut s, uid);
+    }
+}
+
+impl From<PoolError> for EngineError {
+    fn from(e: PoolError) -> Self {
+        match e {
+            PoolError::Exhausted { .. } => EngineError::PoolExhausted(e.to_string()),
+            PoolError::TooLarge { .. } | PoolError::Empty => {
+                EngineError::InvalidArgument(e.to_string())
+            }
+            PoolError::Memory { .. } => EngineError::Io(e.to_string()),
+            PoolError::Provider(p) => EngineError::Provider(p),
+        }
+    }
+}

@@ -1,0 +1,191 @@
+//! Queue pairs and the exports bound through them.
+
+use std::sync::Arc;
+
+use super::*;
+
+impl Registry {
+    /// Creates a queue pair for `session` on `entry`'s device, within the `qps` quota.
+    pub fn create_qp(
+        &self,
+        config: &Config,
+        caller: &Caller,
+        session: SessionId,
+        entry: &DeviceEntry,
+        options: QpOptions,
+    ) -> Result<(QpId, Arc<QueuePairRecord>), EngineError> {
+        let limits = quota::limits_for(config, caller.uid, &caller.gids);
+        {
+            let mut s = self.lock();
+            Self::own_session(&mut s, caller, session)?;
+            let usage = s.usage.entry(caller.uid).or_default();
+            quota::check(&limits, usage, QuotaKind::Qps, 1)?;
+            usage.add(QuotaKind::Qps, 1);
+        }
+        let unreserve =
+            |registry: &Registry| registry.unreserve(caller.uid, &[(QuotaKind::Qps, 1)]);
+        let record = match qp::create(entry, session, caller.uid, options) {
+            Ok(r) => Arc::new(r),
+            Err(e) => {
+                unreserve(self);
+                return Err(e);
+            }
+        };
+        let mut s = self.lock();
+        if Self::own_session(&mut s, caller, session).is_err() {
+            drop(s);
+            unreserve(self);
+            return Err(EngineError::NoSuchObject(format!(
+                "session {session} (closed while the queue pair was made)"
+            )));
+        }
+        s.last_qp += 1;
+        let id = s.last_qp;
+        s.sessions
+            .get_mut(&session)
+            .expect("checked above")
+            .qps
+            .insert(id);
+        s.qps.insert(id, Arc::clone(&record));
+        Ok((id, record))
+    }
+
+    /// A queue pair, if the caller's connection owns it.
+    pub fn own_qp(&self, caller: &Caller, id: QpId) -> Result<Arc<QueuePairRecord>, EngineError> {
+        let s = self.lock();
+        let record = s
+            .qps
+            .get(&id)
+            .ok_or(EngineError::NoSuchObject(format!("queue pair {id}")))?;
+        let owner = s
+            .sessions
+            .get(&record.session)
+            .map(|x| x.owner.bus_name.as_str());
+        if owner != Some(caller.bus_name.as_str()) {
+            return Err(not_authorized(format!(
+                "queue pair {id} belongs to another session; only its owner may use it"
+            )));
+        }
+        Ok(Arc::clone(record))
+    }
+
+    /// Destroys a queue pair (its owner only); its windows go first.
+    pub fn destroy_qp(&self, caller: &Caller, id: QpId) -> Result<(), EngineError> {
+        self.own_qp(caller, id)?;
+        let mut s = self.lock();
+        let Some(record) = s.qps.remove(&id) else {
+            return Err(EngineError::NoSuchObject(format!("queue pair {id}")));
+        };
+        if let Some(session) = s.sessions.get_mut(&record.session) {
+            session.qps.remove(&id);
+        }
+        let mut garbage = Garbage::default();
+        garbage.take_windows_of(&mut s, id, &record);
+        if let Some(usage) = s.usage.get_mut(&record.owner_uid) {
+            usage.sub(QuotaKind::Qps, 1);
+        }
+        Self::forget_idle_user(&mut s, record.owner_uid);
+        garbage.qps.push(record);
+        drop(s);
+        self.release(&[id], garbage);
+        Ok(())
+    }
+
+    /// Records a window bound over region `id` through `qp`, keeping the `exports` use
+    /// reserved for it; returns the export id, or gives the window back if the region or
+    /// QP went away meanwhile (the caller then gives the reservation back).
+    pub fn add_export(
+        &self,
+        id: RegionId,
+        qp: QpId,
+        window: Arc<dyn crate::provider::MemoryWindow>,
+    ) -> Result<ExportId, EngineError> {
+        let mut s = self.lock();
+        let record = s
+            .qps
+            .get(&qp)
+            .cloned()
+            .ok_or(EngineError::NoSuchObject(format!("queue pair {qp}")))?;
+        s.last_export += 1;
+        let export = s.last_export;
+        let region = s
+            .regions
+            .get_mut(&id)
+            .ok_or(EngineError::NoSuchObject(format!("region {id}")))?;
+        region.exports.insert((qp, export));
+        let mr = Arc::clone(&region.mr);
+        lock(&record.exports).insert(
+            export,
+            Export {
+                region: id,
+                window,
+                mr,
+            },
+        );
+        Ok(export)
+    }
+
+    /// Removes an export of a region the caller owns; returns its QP's id and its window
+    /// with what must outlive it (the caller invalidates the window, then drops it all: the
+    /// QP may have been destroyed, and the region freed, meanwhile).
+    pub fn remove_export(
+        &self,
+        caller: &Caller,
+        id: RegionId,
+        export: ExportId,
+    ) -> Result<(QpId, TakenWindow), EngineError> {
+        let mut s = self.lock();
+        Self::own_region(&s, caller, id)?;
+        let (qp, _) = *s.regions[&id]
+            .exports
+            .iter()
+            .find(|(_, e)| *e == export)
+            .ok_or(EngineError::NoSuchObject(format!(
+                "export {export} of region {id}"
+            )))?;
+        let region = s.regions.get_mut(&id).expect("checked");
+        region.exports.remove(&(qp, export));
+        let uid = region.owner_uid;
+        if let Some(usage) = s.usage.get_mut(&uid) {
+            usage.sub(QuotaKind::Exports, 1);
+        }
+        Self::forget_idle_user(&mut s, uid);
+        let taken = s
+            .qps
+            .get(&qp)
+            .and_then(|r| {
+                lock(&r.exports)
+                    .remove(&export)
+                    .map(|e| TakenWindow::new(e, r))
+            })
+            .ok_or(EngineError::NoSuchObject(format!(
+                "export {export} (its queue pair is gone)"
+            )))?;
+        Ok((qp, taken))
+    }
+
+    /// What the session's QPs may touch: its own regions read-write, attached regions as
+    /// their key allowed.
+    pub fn session_rights(
+        &self,
+        session: SessionId,
+    ) -> Option<crate::engine::datapath::validate::RegionRights> {
+        use crate::engine::datapath::validate::RegionRight;
+        let s = self.lock();
+        let x = s.sessions.get(&session)?;
+        let owned = x.regions.iter().map(|id| (*id, true));
+        let attached = x
+            .attachments
+            .iter()
+            .map(|(id, mode)| (*id, *mode == AttachMode::ReadWrite));
+        Some(
+            owned
+                .chain(attached)
+                .filter_map(|(id, writable)| {
+                    let mr = Arc::clone(&s.regions.get(&id)?.mr);
+                    Some((id, RegionRight { mr, writable }))
+                })
+                .collect(),
+        )
+    }
+}

@@ -1,0 +1,135 @@
+//! Opening and closing sessions; a session's objects go with it.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::time::SystemTime;
+
+use super::*;
+
+impl Registry {
+    pub fn open_session(&self, config: &Config, caller: &Caller) -> Result<SessionId, EngineError> {
+        let limits = quota::limits_for(config, caller.uid, &caller.gids);
+        let mut s = self.lock();
+        let usage = s.usage.entry(caller.uid).or_default();
+        quota::check(&limits, usage, QuotaKind::Sessions, 1)?;
+        usage.add(QuotaKind::Sessions, 1);
+        s.last_session += 1;
+        let id = s.last_session;
+        s.sessions.insert(
+            id,
+            Session {
+                owner: caller.clone(),
+                created: SystemTime::now(),
+                regions: BTreeSet::new(),
+                attachments: BTreeMap::new(),
+                qps: BTreeSet::new(),
+            },
+        );
+        Ok(id)
+    }
+
+    /// Closes a session: the owner connection, another process of the same user, or an
+    /// administrator may.
+    pub fn close_session(
+        &self,
+        config: &Config,
+        caller: &Caller,
+        id: SessionId,
+    ) -> Result<Removed, EngineError> {
+        let admin = policy::is_admin(caller, config);
+        let mut s = self.lock();
+        let session = s
+            .sessions
+            .get(&id)
+            .ok_or(EngineError::NoSuchObject(format!("session {id}")))?;
+        if session.owner.uid != caller.uid && !admin {
+            return Err(not_authorized(format!(
+                "session {id} belongs to another user; only its owner or an administrator may close it"
+            )));
+        }
+        let (removed, garbage) = Self::remove_session(&mut s, id);
+        self.release_sessions(s, &removed, garbage);
+        Ok(removed)
+    }
+
+    /// Closes every session of a bus connection that left the bus.
+    pub fn close_sessions_of(&self, bus_name: &str) -> Removed {
+        self.close_where(|session| session.owner.bus_name == bus_name)
+    }
+
+    /// Closes everything (shutdown).
+    pub fn close_all(&self) -> Removed {
+        self.close_where(|_| true)
+    }
+
+    pub(super) fn close_where(&self, pick: impl Fn(&Session) -> bool) -> Removed {
+        let mut s = self.lock();
+        let ids: Vec<SessionId> = s
+            .sessions
+            .iter()
+            .filter(|(_, session)| pick(session))
+            .map(|(id, _)| *id)
+            .collect();
+        let mut all = Removed::default();
+        let mut garbage = Garbage::default();
+        for id in ids {
+            let (removed, g) = Self::remove_session(&mut s, id);
+            all.extend(removed);
+            garbage.extend(g);
+        }
+        self.release_sessions(s, &all, garbage);
+        all
+    }
+
+    pub(super) fn remove_session(s: &mut State, id: SessionId) -> (Removed, Garbage) {
+        let mut removed = Removed::default();
+        let mut garbage = Garbage::default();
+        let Some(session) = s.sessions.remove(&id) else {
+            return (removed, garbage);
+        };
+        removed.sessions.push(id);
+        for qp in &session.qps {
+            if let Some(record) = s.qps.remove(qp) {
+                garbage.take_windows_of(s, *qp, &record);
+                garbage.qps.push(record);
+                removed.qps.push(*qp);
+            }
+        }
+        if let Some(usage) = s.usage.get_mut(&session.owner.uid) {
+            usage.sub(QuotaKind::Qps, session.qps.len() as u64);
+        }
+        for region in &session.attachments {
+            if let Some(r) = s.regions.get_mut(region.0) {
+                r.attached.remove(&id);
+            }
+        }
+        for region in session.regions {
+            if let Some(g) = Self::remove_region(s, region) {
+                garbage.extend(g);
+                removed.regions.push(region);
+            }
+        }
+        if let Some(usage) = s.usage.get_mut(&session.owner.uid) {
+            usage.sub(QuotaKind::Sessions, 1);
+        }
+        Self::forget_idle_user(s, session.owner.uid);
+        (removed, garbage)
+    }
+
+    /// The session, if `caller`'s connection owns it.
+    pub(super) fn own_session<'a>(
+        s: &'a mut State,
+        caller: &Caller,
+        id: SessionId,
+    ) -> Result<&'a mut Session, EngineError> {
+        let session = s
+            .sessions
+            .get_mut(&id)
+            .ok_or(EngineError::NoSuchObject(format!("session {id}")))?;
+        if session.owner.bus_name != caller.bus_name {
+            return Err(not_authorized(format!(
+                "session {id} belongs to another connection; use the session you opened"
+            )));
+        }
+        Ok(session)
+    }
+}
