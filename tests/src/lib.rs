@@ -47,10 +47,17 @@ pub fn binary(name: &str) -> PathBuf {
     path
 }
 
+/// Held by a test for its whole run when it compares figures that are per device or per
+/// host — the kernel's verbs objects, latency, host memory: the tests of one binary run in
+/// parallel threads of one process (on the host and in the VM tier's guest alike), so each
+/// test of such a binary holds it.
+pub static ALONE: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
 /// The kernel's verbs objects per RDMA device (`rdma resource show`: ctx, pd, cq, qp, mr,
 /// …) when `provider` is `"verbs"`; `None` on the loopback provider, which the kernel never
 /// sees. A daemon that has released everything leaves this as it was. Only meaningful while
-/// no other process uses the device: the VM tier runs one test binary per guest.
+/// no other process uses the device: the VM tier runs one test binary per guest, and a
+/// binary whose tests compare it holds [`ALONE`] in each of them.
 pub fn kernel_verbs_objects(provider: &str) -> Option<String> {
     if provider != "verbs" {
         return None;

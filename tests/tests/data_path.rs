@@ -52,6 +52,7 @@ mod bodies {
     }
 
     pub async fn send_and_receive_through_the_rings(provider: &str) {
+        let _alone = rdmad_tests::ALONE.lock().await;
         let (bus, _d) = start_on(provider, "").await;
         let (mut a, mut b) = connected_pair(&bus);
         b.ok("post 0 recv 0 100 64 7");
@@ -80,6 +81,7 @@ mod bodies {
     /// Malformed, foreign, out-of-bounds and flooding requests each fail with an error
     /// completion; the QP and the daemon go on serving.
     pub async fn hostile_submissions_fail_alone(provider: &str) {
+        let _alone = rdmad_tests::ALONE.lock().await;
         let (bus, _d) = start_on(provider, "").await;
         let (mut a, mut b) = connected_pair(&bus);
         let mut stranger = Client::start(&bus, Some(OTHER));
@@ -147,6 +149,7 @@ mod bodies {
     /// Clients killed with SIGKILL while requests are in flight (sends waiting for
     /// receives) leave nothing behind.
     pub async fn sigkill_mid_transfer_releases_everything(provider: &str) {
+        let _alone = rdmad_tests::ALONE.lock().await;
         let (bus, _d) = start_on(
             provider,
             "[[pool]]\nname = \"default\"\ncapacity = \"16MiB\"\nsize_classes = [\"4KiB\"]\n",
@@ -179,6 +182,7 @@ mod bodies {
     /// the export is released (or the region freed) the same rkey gets a remote access
     /// error and never the memory.
     pub async fn remote_access_through_exports_until_released(provider: &str) {
+        let _alone = rdmad_tests::ALONE.lock().await;
         let (bus, _d) = start_on(provider, "").await;
         let (mut a, mut b) = connected_pair(&bus);
         let export = a.ok("export 0 0 rwa");
@@ -206,6 +210,7 @@ mod bodies {
 
     /// After `ReleaseExport`, and after freeing the region, the old rkey is refused.
     pub async fn released_and_freed_exports_refuse_their_rkey(provider: &str) {
+        let _alone = rdmad_tests::ALONE.lock().await;
         let (bus, _d) = start_on(provider, "").await;
         for how in ["release", "free"] {
             let (mut a, mut b) = connected_pair(&bus);
@@ -253,6 +258,7 @@ mod bodies {
     /// is left and the peer's old rkeys get a remote access error; once it lets go, nothing
     /// is left — on rxe0 `rdma resource show` is back to its baseline too.
     pub async fn killed_session_with_exports_and_a_slow_worker_leaves_nothing(provider: &str) {
+        let _alone = rdmad_tests::ALONE.lock().await;
         const COLD: &str =
             "[[pool]]\nname = \"default\"\ncapacity = \"16MiB\"\nsize_classes = [\"4KiB\"]\n";
         let (bus, d) = start_with_env(

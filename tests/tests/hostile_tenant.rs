@@ -41,11 +41,6 @@ mod bodies {
     /// The victim's user.
     const VICTIM: u32 = 1;
 
-    /// Held by each test for its whole run: the kernel's verbs objects are per device, and
-    /// latency is measured, so each test must be alone (the VM tier runs them in one
-    /// process; nextest runs each in its own anyway).
-    static ALONE: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
-
     /// How many round trips make one latency sample.
     const ROUND_TRIPS: u64 = 200;
 
@@ -135,7 +130,7 @@ mod bodies {
     /// attacker's QP keeps working for it as far as the attacker left it able to, and the
     /// daemon stops cleanly on SIGTERM.
     pub async fn descriptor_and_memfd_attacks_never_stall_a_neighbour(provider: &str) {
-        let _alone = ALONE.lock().await;
+        let _alone = rdmad_tests::ALONE.lock().await;
         let kernel_before = kernel_verbs_objects(provider);
         let (bus, daemon) = start_on(provider, "").await;
         let mut victim = with_connected_qps(&bus, VICTIM, "default", 4096);
@@ -207,7 +202,7 @@ mod bodies {
     /// flight plus the pool's warm set; keeping them alive would be 3.2 GiB, or 1 GiB),
     /// rdmad's accounting says nothing is left, and the victim's allocation still succeeds.
     pub async fn freed_memory_stops_costing_the_daemon(provider: &str) {
-        let _alone = ALONE.lock().await;
+        let _alone = rdmad_tests::ALONE.lock().await;
         let cycles = if provider == "verbs" { 16 } else { 50 };
         const SIZE: u64 = 64 << 20;
         let kernel_before = kernel_verbs_objects(provider);
@@ -275,7 +270,7 @@ mod bodies {
     /// adds, so idle and flooded each take the best p99 of three rounds. Creating and
     /// connecting a QP meanwhile takes under a second.
     pub async fn a_flood_of_large_writes_keeps_a_neighbours_round_trips_within_bound() {
-        let _alone = ALONE.lock().await;
+        let _alone = rdmad_tests::ALONE.lock().await;
         const SIZE: u64 = 64 << 20;
         const WRITES: u64 = 128;
         let (bus, daemon) = start_on("loopback", "").await;
@@ -408,7 +403,7 @@ mod bodies {
     /// faulted the page itself. It fails that one request; the victim's round trips go on
     /// and the daemon stops cleanly.
     pub async fn a_punched_hugepage_region_never_faults_the_daemon() {
-        let _alone = ALONE.lock().await;
+        let _alone = rdmad_tests::ALONE.lock().await;
         let pages = Hugepages::reserve(4);
         let config = "[[pool]]\nname = \"huge\"\ncapacity = \"4MiB\"\nsize_classes = [\"2MiB\"]\nhugepages = true\n";
         let (bus, daemon) = start_on("loopback", config).await;

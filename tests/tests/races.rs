@@ -30,9 +30,6 @@ mod bodies {
     use serde_json::Value;
 
     const OTHER: u32 = 1;
-    /// Held by each test for its whole run: the kernel's verbs objects are per device, so a
-    /// test comparing them must be alone on it.
-    static ALONE: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
     /// What a call on a region that is gone gets: the bus's answer once the object is
     /// withdrawn, the daemon's if the call raced with the withdrawal.
     const GONE: [&str; 2] = [
@@ -98,7 +95,7 @@ mod bodies {
     pub async fn racing_for_the_last_units_of_every_quota_never_overshoots(provider: &str) {
         const CLIENTS: usize = 8;
         const LIMIT: u64 = 5;
-        let _alone = ALONE.lock().await;
+        let _alone = rdmad_tests::ALONE.lock().await;
         let (bus, daemon) = start_on(provider, POOL).await;
         let mut admin = Client::start(&bus, None);
         let device = admin.ok("devices")[0]["name"].as_str().unwrap().to_owned();
@@ -205,7 +202,7 @@ mod bodies {
     pub async fn free_attach_revoke_and_export_racing_on_one_region(provider: &str) {
         const ROUNDS: usize = 30;
         const ATTACHERS: usize = 4;
-        let _alone = ALONE.lock().await;
+        let _alone = rdmad_tests::ALONE.lock().await;
         let mut rng = Rng::new(seed());
         let (bus, _daemon) = start_on(provider, POOL).await;
         let baseline = Baseline::take(&bus, provider).await;
