@@ -1,10 +1,72 @@
 //! Lock helpers. A daemon holding other processes' resources must not die because some
 //! thread panicked while holding a lock: the data behind it stays consistent because every
-//! critical section here either completes or leaves the map untouched.
+//! critical section here either completes or leaves the map untouched. And no user or group
+//! lookup may run while the registry's lock is held (checked in debug builds).
 
+use std::cell::Cell;
 use std::sync::{Mutex, MutexGuard, PoisonError};
 
 /// Locks `mutex`, recovering the guard if a previous holder panicked.
 pub fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
     mutex.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+// User and group lookups under a lock.
+//
+// User and group lookups go through NSS (files, LDAP, sssd, …) and take as long as the
+// directory behind it takes to answer. None may run while the registry's lock is held,
+// or one slow lookup would stall every tenant's calls. Debug builds check it: the registry
+// marks the thread while it holds its lock ([`forbid_lookups`]), and every lookup asserts the mark
+// is absent ([`check_lookup`]).
+
+thread_local! {
+    static FORBIDDEN: Cell<u32> = const { Cell::new(0) };
+}
+
+/// Forbids lookups on this thread until the returned guard is dropped.
+pub fn forbid_lookups() -> Forbidden {
+    FORBIDDEN.with(|f| f.set(f.get() + 1));
+    Forbidden(())
+}
+
+/// While it lives, lookups on this thread are a bug (see [`forbid_lookups`]).
+#[derive(Debug)]
+pub struct Forbidden(());
+
+impl Drop for Forbidden {
+    fn drop(&mut self) {
+        FORBIDDEN.with(|f| f.set(f.get().saturating_sub(1)));
+    }
+}
+
+/// Called by every user or group lookup: in debug builds, fails if the registry's lock is
+/// held on this thread.
+pub fn check_lookup(what: &str) {
+    debug_assert!(
+        FORBIDDEN.with(Cell::get) == 0,
+        "{what}: a user or group lookup while the registry's lock is held"
+    );
+}
+
+#[cfg(test)]
+mod lookup_tests {
+    use super::*;
+
+    #[test]
+    fn lookups_are_allowed_again_once_the_guard_is_gone() {
+        let outer = forbid_lookups();
+        let inner = forbid_lookups();
+        drop(inner);
+        assert_eq!(FORBIDDEN.with(Cell::get), 1);
+        drop(outer);
+        check_lookup("after the lock");
+    }
+
+    #[cfg(debug_assertions)]
+    #[test]
+    #[should_panic(expected = "a user or group lookup while the registry's lock is held")]
+    fn a_lookup_under_the_registry_lock_fails_in_debug_builds() {
+        let _held = forbid_lookups();
+        crate::policy::quota::user_name(0);
+    }
 }

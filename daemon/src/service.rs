@@ -71,6 +71,7 @@ async fn serve(args: Args, config: Config, log: LogHandle) -> anyhow::Result<()>
             other => other,
         })?,
     );
+    crate::policy::quota::warn_of_oversized(&engine.config(), &engine);
     let reloader = make_reloader(Arc::clone(&engine), log, args.log_level.is_some());
 
     let mut sigterm = signal(SignalKind::terminate()).context("cannot handle SIGTERM")?;
@@ -161,6 +162,7 @@ fn make_reloader(engine: Arc<Engine>, log: LogHandle, log_level_pinned: bool) ->
                 if !log_level_pinned {
                     log.set_level(config.daemon.log_level);
                 }
+                crate::policy::quota::warn_of_oversized(&config, &engine);
                 for setting in needs_restart {
                     tracing::warn!("{setting} changed; it takes effect when rdmad restarts");
                 }

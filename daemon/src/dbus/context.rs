@@ -15,7 +15,7 @@ use super::queue_pair::QueuePairObject;
 use super::region::RegionObject;
 use super::session::SessionObject;
 use crate::config::Config;
-use crate::engine::{Engine, RegionId, Removed, SessionId};
+use crate::engine::{Engine, QpId, RegionId, Removed, SessionId};
 use crate::policy::Caller;
 
 /// Runs engine work that may block — any verbs call (creating, connecting, querying or
@@ -82,12 +82,8 @@ impl Context {
     ) -> Result<(), Error> {
         let object = RegionObject::new(Arc::clone(self), id);
         server.at(region_path(id), object).await?;
-        if self
-            .engine
-            .registry
-            .region(&self.config(), caller, id)
-            .is_err()
-        {
+        let scope = crate::policy::scope(caller, &self.config());
+        if self.engine.region(&caller.owner(), scope, id).is_err() {
             let _ = server.remove::<RegionObject, _>(region_path(id)).await;
             return Err(Error::NoSuchObject(format!(
                 "region {id}: its session was closed while it was being allocated"
@@ -102,11 +98,11 @@ impl Context {
         self: &Arc<Self>,
         server: &ObjectServer,
         caller: &Caller,
-        id: u64,
+        id: QpId,
     ) -> Result<(), Error> {
         let object = QueuePairObject::new(Arc::clone(self), id);
         server.at(qp_path(id), object).await?;
-        if self.engine.registry.own_qp(caller, id).is_err() {
+        if !self.engine.owns_qp(&caller.owner(), id) {
             let _ = server.remove::<QueuePairObject, _>(qp_path(id)).await;
             return Err(Error::NoSuchObject(format!(
                 "queue pair {id}: its session was closed while it was being created"
@@ -144,10 +140,7 @@ impl Context {
     pub async fn connection_gone(&self, server: &ObjectServer, bus_name: &str) {
         self.callers.forget(bus_name);
         let name = bus_name.to_owned();
-        let removed = match self
-            .blocking(move |e| e.registry.close_sessions_of(&name))
-            .await
-        {
+        let removed = match self.blocking(move |e| e.close_sessions_of(&name)).await {
             Ok(removed) => removed,
             Err(e) => {
                 tracing::error!(sender = bus_name, "closing the sessions failed: {e:?}");

@@ -5,45 +5,38 @@ use std::sync::Arc;
 
 use rdmad_client::device_path;
 use rdmad_client::types::{Capabilities, GidEntry, LingeringObject, PortInfo};
+use rdmad_client::Error;
 use zbus::interface;
 
-use super::error::provider_error;
-use crate::engine::{DeviceEntry, Engine};
-use crate::provider::ProviderError;
+use crate::engine::{Engine, EngineError};
 
 pub struct DeviceObject {
     engine: Arc<Engine>,
-    index: usize,
+    name: String,
 }
 
 impl DeviceObject {
-    pub fn new(engine: Arc<Engine>, index: usize) -> DeviceObject {
-        DeviceObject { engine, index }
+    pub fn new(engine: Arc<Engine>, name: String) -> DeviceObject {
+        DeviceObject { engine, name }
     }
 
     pub fn path(&self) -> String {
-        device_path(self.entry().device.name())
-    }
-
-    fn entry(&self) -> &DeviceEntry {
-        &self.engine.devices()[self.index]
+        device_path(&self.name)
     }
 }
 
-/// Property getters answer `org.freedesktop.DBus.Error.Failed` with the device's message.
-fn failed(e: ProviderError) -> zbus::fdo::Error {
-    zbus::fdo::Error::Failed(provider_error(e).to_string())
+fn failed(e: EngineError) -> zbus::fdo::Error {
+    zbus::fdo::Error::Failed(Error::from(e).to_string())
 }
 
 impl DeviceObject {
-    /// Asks the device (verbs calls: `ibv_query_device`, `ibv_query_port`,
-    /// `ibv_query_gid`, sysfs reads) on a blocking thread.
+    /// Asks the engine about this device on a blocking thread (verbs calls may block).
     async fn query<T: Send + 'static>(
         &self,
-        ask: impl FnOnce(&DeviceEntry) -> Result<T, ProviderError> + Send + 'static,
+        ask: impl FnOnce(&Engine, &str) -> Result<T, EngineError> + Send + 'static,
     ) -> zbus::fdo::Result<T> {
-        let index = self.index;
-        super::context::blocking(&self.engine, move |e| ask(&e.devices()[index]))
+        let name = self.name.clone();
+        super::context::blocking(&self.engine, move |e| ask(e, &name))
             .await
             .map_err(|e| zbus::fdo::Error::Failed(e.to_string()))?
             .map_err(failed)
@@ -54,51 +47,52 @@ impl DeviceObject {
 impl DeviceObject {
     #[zbus(property(emits_changed_signal = "const"))]
     async fn name(&self) -> String {
-        self.entry().device.name().to_owned()
+        self.name.clone()
     }
 
     /// `verbs` or `loopback`.
     #[zbus(property(emits_changed_signal = "const"))]
-    async fn provider(&self) -> String {
-        self.entry().device.provider().to_string()
+    async fn provider(&self) -> zbus::fdo::Result<String> {
+        Ok(self
+            .engine
+            .device_summary(&self.name)
+            .map_err(failed)?
+            .provider)
     }
 
     #[zbus(property(emits_changed_signal = "const"))]
     async fn node_guid(&self) -> zbus::fdo::Result<String> {
-        self.query(|d| Ok(d.device.attributes()?.node_guid_string()))
+        self.query(|e, d| Ok(e.device_attributes(d)?.node_guid_string()))
             .await
     }
 
     #[zbus(property(emits_changed_signal = "const"))]
     async fn firmware_version(&self) -> zbus::fdo::Result<String> {
-        self.query(|d| Ok(d.device.attributes()?.firmware_version))
+        self.query(|e, d| Ok(e.device_attributes(d)?.firmware_version))
             .await
     }
 
     /// The port queue pairs are created on.
     #[zbus(property(emits_changed_signal = "const"))]
-    async fn port(&self) -> u8 {
-        self.entry().port
+    async fn port(&self) -> zbus::fdo::Result<u8> {
+        Ok(self.engine.device_summary(&self.name).map_err(failed)?.port)
     }
 
     #[zbus(property(emits_changed_signal = "false"))]
     async fn ports(&self) -> zbus::fdo::Result<Vec<PortInfo>> {
-        self.query(|d| {
-            let count = d.device.attributes()?.port_count;
-            (1..=count)
-                .map(|port| {
-                    let p = d.device.query_port(port)?;
-                    Ok(PortInfo {
-                        port: p.port,
-                        state: p.state.as_str().to_owned(),
-                        physical_state: p.physical_state.to_owned(),
-                        active_mtu: p.active_mtu,
-                        max_mtu: p.max_mtu,
-                        lid: p.lid,
-                        link_layer: p.link_layer.as_str().to_owned(),
-                    })
+        self.query(|e, d| {
+            Ok(e.device_ports(d)?
+                .into_iter()
+                .map(|p| PortInfo {
+                    port: p.port,
+                    state: p.state.as_str().to_owned(),
+                    physical_state: p.physical_state.to_owned(),
+                    active_mtu: p.active_mtu,
+                    max_mtu: p.max_mtu,
+                    lid: p.lid,
+                    link_layer: p.link_layer.as_str().to_owned(),
                 })
-                .collect()
+                .collect())
         })
         .await
     }
@@ -106,20 +100,16 @@ impl DeviceObject {
     /// Populated GID table entries of every port.
     #[zbus(property(emits_changed_signal = "false"))]
     async fn gids(&self) -> zbus::fdo::Result<Vec<GidEntry>> {
-        self.query(|d| {
-            let count = d.device.attributes()?.port_count;
-            let mut out = Vec::new();
-            for port in 1..=count {
-                for g in d.device.gid_table(port)? {
-                    out.push(GidEntry {
-                        port,
-                        index: g.index,
-                        gid: g.gid.to_string(),
-                        gid_type: g.gid_type.as_str().to_owned(),
-                    });
-                }
-            }
-            Ok(out)
+        self.query(|e, d| {
+            Ok(e.device_gids(d)?
+                .into_iter()
+                .map(|(port, g)| GidEntry {
+                    port,
+                    index: g.index,
+                    gid: g.gid.to_string(),
+                    gid_type: g.gid_type.as_str().to_owned(),
+                })
+                .collect())
         })
         .await
     }
@@ -128,10 +118,11 @@ impl DeviceObject {
     /// memory stays pinned, what is bound over them may still work) and retries every few
     /// seconds. Empty in a healthy daemon.
     #[zbus(property(emits_changed_signal = "false"))]
-    async fn lingering_objects(&self) -> Vec<LingeringObject> {
-        self.entry()
-            .device
-            .lingering()
+    async fn lingering_objects(&self) -> zbus::fdo::Result<Vec<LingeringObject>> {
+        Ok(self
+            .engine
+            .device_lingering(&self.name)
+            .map_err(failed)?
             .into_iter()
             .map(|l| LingeringObject {
                 kind: l.kind.as_str().to_owned(),
@@ -141,12 +132,12 @@ impl DeviceObject {
                 since_usec: super::wire::usec(l.since),
                 attempts: l.attempts,
             })
-            .collect()
+            .collect())
     }
 
     #[zbus(property(emits_changed_signal = "const"))]
     async fn capabilities(&self) -> zbus::fdo::Result<Capabilities> {
-        let a = self.query(|d| d.device.attributes()).await?;
+        let a = self.query(|e, d| e.device_attributes(d)).await?;
         Ok(Capabilities {
             max_qp: a.max_qp,
             max_qp_wr: a.max_qp_wr,

@@ -3,8 +3,8 @@
 use rdmad_client::Error;
 
 use crate::engine::EngineError;
+use crate::engine::ProviderError;
 use crate::policy::PolicyError;
-use crate::provider::ProviderError;
 
 impl From<EngineError> for Error {
     fn from(e: EngineError) -> Self {
@@ -39,7 +39,9 @@ pub fn provider_error(e: ProviderError) -> Error {
 impl From<PolicyError> for Error {
     fn from(e: PolicyError) -> Self {
         match e {
-            PolicyError::NotAdmin { .. } => Error::NotAuthorized(e.to_string()),
+            PolicyError::NotAdmin { .. } | PolicyError::OthersQuota => {
+                Error::NotAuthorized(e.to_string())
+            }
         }
     }
 }

@@ -36,22 +36,23 @@ impl Manager {
 impl Manager {
     /// Devices served: `(name, provider, object path)`.
     async fn list_devices(&self) -> Vec<DeviceSummary> {
-        self.ctx
-            .engine
-            .devices()
+        let engine = &self.ctx.engine;
+        engine
+            .device_names()
             .iter()
-            .map(|entry| DeviceSummary {
-                name: entry.device.name().to_owned(),
-                provider: entry.device.provider().to_string(),
-                path: wire::path(device_path(entry.device.name())),
+            .filter_map(|name| engine.device_summary(name).ok())
+            .map(|d| DeviceSummary {
+                path: wire::path(device_path(&d.name)),
+                name: d.name,
+                provider: d.provider,
             })
             .collect()
     }
 
     /// The object path of device `name`.
     async fn get_device(&self, name: &str) -> Result<OwnedObjectPath, Error> {
-        let entry = self.ctx.engine.device(name)?;
-        Ok(wire::path(device_path(entry.device.name())))
+        let device = self.ctx.engine.device_summary(name)?;
+        Ok(wire::path(device_path(&device.name)))
     }
 
     /// Re-reads the configuration file (administrators only). An invalid file is refused
@@ -84,11 +85,8 @@ impl Manager {
     ) -> Result<OwnedObjectPath, Error> {
         Options::new("OpenSession", &options, &[])?;
         let caller = self.ctx.caller(connection, &header).await?;
-        let id = self
-            .ctx
-            .engine
-            .registry
-            .open_session(&self.ctx.config(), &caller)?;
+        let limits = policy::limits(&caller, &self.ctx.config());
+        let id = self.ctx.engine.open_session(&caller.owner(), &limits)?;
         self.ctx.publish_session(server, id).await?;
         tracing::info!(session = id, uid = caller.uid, sender = %caller.bus_name, pid = caller.pid.unwrap_or(0), "session opened");
         // The caller may have left the bus before the session existed, in which case the
@@ -109,11 +107,8 @@ impl Manager {
         #[zbus(connection)] connection: &Connection,
     ) -> Result<Vec<SessionInfo>, Error> {
         let caller = self.ctx.caller(connection, &header).await?;
-        let sessions = self
-            .ctx
-            .engine
-            .registry
-            .sessions(&self.ctx.config(), &caller);
+        let scope = policy::scope(&caller, &self.ctx.config());
+        let sessions = self.ctx.engine.sessions(&caller.owner(), scope);
         Ok(sessions.iter().map(wire::session).collect())
     }
 
@@ -125,11 +120,8 @@ impl Manager {
         #[zbus(connection)] connection: &Connection,
     ) -> Result<Vec<RegionInfo>, Error> {
         let caller = self.ctx.caller(connection, &header).await?;
-        let regions = self
-            .ctx
-            .engine
-            .registry
-            .regions(&self.ctx.config(), &caller);
+        let scope = policy::scope(&caller, &self.ctx.config());
+        let regions = self.ctx.engine.regions(&caller.owner(), scope);
         Ok(regions.iter().map(wire::region).collect())
     }
 
@@ -140,14 +132,13 @@ impl Manager {
         #[zbus(connection)] connection: &Connection,
     ) -> Result<Vec<QueuePairInfo>, Error> {
         let caller = self.ctx.caller(connection, &header).await?;
-        let config = self.ctx.config();
+        let scope = policy::scope(&caller, &self.ctx.config());
         // Each state comes from the device (ibv_query_qp).
         self.ctx
             .blocking(move |e| {
-                e.registry
-                    .qps(&config, &caller)
+                e.qps(&caller.owner(), scope)
                     .iter()
-                    .map(|(id, q)| super::queue_pair::info(*id, q))
+                    .map(super::queue_pair::info)
                     .collect()
             })
             .await
@@ -156,9 +147,9 @@ impl Manager {
     async fn list_pools(&self) -> Vec<PoolInfo> {
         self.ctx
             .engine
-            .pools()
+            .pool_snapshots()
             .iter()
-            .map(|p| wire::pool(p))
+            .map(wire::pool)
             .collect()
     }
 
@@ -170,11 +161,8 @@ impl Manager {
         #[zbus(connection)] connection: &Connection,
     ) -> Result<Vec<QuotaEntry>, Error> {
         let caller = self.ctx.caller(connection, &header).await?;
-        let lines = self
-            .ctx
-            .engine
-            .registry
-            .quota(&self.ctx.config(), &caller, uid)?;
+        let limits = policy::limits_of(&caller, &self.ctx.config(), uid)?;
+        let lines = self.ctx.engine.quota(&limits);
         Ok(lines
             .into_iter()
             .map(|l| QuotaEntry {
@@ -194,10 +182,8 @@ impl Manager {
         #[zbus(connection)] connection: &Connection,
     ) -> Result<(), Error> {
         let caller = self.ctx.caller(connection, &header).await?;
-        self.ctx
-            .engine
-            .registry
-            .revoke(&self.ctx.config(), &caller, key_id)?;
+        let scope = policy::scope(&caller, &self.ctx.config());
+        self.ctx.engine.revoke(&caller.owner(), scope, key_id)?;
         tracing::info!(key = key_id, uid = caller.uid, "access key revoked");
         Ok(())
     }
@@ -221,7 +207,7 @@ impl Manager {
 
     #[zbus(property(emits_changed_signal = "const"), name = "NDevices")]
     async fn n_devices(&self) -> u32 {
-        u32::try_from(self.ctx.engine.devices().len()).unwrap_or(u32::MAX)
+        u32::try_from(self.ctx.engine.device_names().len()).unwrap_or(u32::MAX)
     }
 
     /// Successful configuration reloads since start.
@@ -233,7 +219,7 @@ impl Manager {
     /// Open sessions (of all users).
     #[zbus(property(emits_changed_signal = "false"), name = "NSessions")]
     async fn n_sessions(&self) -> u32 {
-        u32::try_from(self.ctx.engine.registry.counts().0).unwrap_or(u32::MAX)
+        u32::try_from(self.ctx.engine.counts().sessions).unwrap_or(u32::MAX)
     }
 
     /// Live objects: the daemon's (`sessions`, `regions`, `keys`, `warm_regions`) and the
@@ -244,14 +230,18 @@ impl Manager {
     #[zbus(property(emits_changed_signal = "false"))]
     async fn object_counts(&self) -> HashMap<String, u64> {
         let engine = &self.ctx.engine;
-        let (sessions, regions, keys) = engine.registry.counts();
+        let counts = engine.counts();
         let p = engine.provider_counts();
-        let warm: u64 = engine.pools().iter().map(|p| p.stats().warm_regions).sum();
+        let warm: u64 = engine
+            .pool_snapshots()
+            .iter()
+            .map(|p| p.stats.warm_regions)
+            .sum();
         [
-            ("sessions", sessions as u64),
-            ("regions", regions as u64),
-            ("keys", keys as u64),
-            ("queue_pairs", engine.registry.qp_count() as u64),
+            ("sessions", counts.sessions as u64),
+            ("regions", counts.regions as u64),
+            ("keys", counts.keys as u64),
+            ("queue_pairs", counts.qps as u64),
             ("warm_regions", warm),
             ("pds", p.pds),
             ("mrs", p.mrs),
@@ -268,6 +258,6 @@ impl Manager {
     /// Allocated regions (of all users).
     #[zbus(property(emits_changed_signal = "false"), name = "NRegions")]
     async fn n_regions(&self) -> u32 {
-        u32::try_from(self.ctx.engine.registry.counts().1).unwrap_or(u32::MAX)
+        u32::try_from(self.ctx.engine.counts().regions).unwrap_or(u32::MAX)
     }
 }

@@ -96,14 +96,14 @@ pub async fn serve(
         .map_err(connect_error)?
         .serve_at(MANAGER_PATH, ObjectManager)?
         .serve_at(MANAGER_PATH, Manager::new(Arc::clone(&ctx)))?;
-    for index in 0..engine.devices().len() {
-        let object = DeviceObject::new(Arc::clone(&engine), index);
+    for name in engine.device_names() {
+        let object = DeviceObject::new(Arc::clone(&engine), name);
         builder = builder.serve_at(object.path(), object)?;
     }
-    for p in engine.pools() {
+    for name in engine.pool_names() {
         builder = builder.serve_at(
-            rdmad_client::names::pool_path(p.name()),
-            pool::PoolObject::new(Arc::clone(p)),
+            rdmad_client::names::pool_path(&name),
+            pool::PoolObject::new(Arc::clone(&engine), name),
         )?;
     }
     let connection = builder.build().await.map_err(connect_error)?;
@@ -167,15 +167,15 @@ pub async fn unserve(served: Served, engine: &Engine) {
     }
     let server = connection.object_server();
     let mut results = Vec::new();
-    for entry in engine.devices() {
-        let path = rdmad_client::device_path(entry.device.name());
+    for name in engine.device_names() {
+        let path = rdmad_client::device_path(&name);
         results.push(server.remove::<DeviceObject, _>(path).await);
     }
-    for p in engine.pools() {
-        let path = rdmad_client::names::pool_path(p.name());
+    for name in engine.pool_names() {
+        let path = rdmad_client::names::pool_path(&name);
         results.push(server.remove::<pool::PoolObject, _>(path).await);
     }
-    let removed = engine.registry.close_all();
+    let removed = engine.close_all();
     for id in &removed.regions {
         results.push(
             server

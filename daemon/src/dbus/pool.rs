@@ -4,15 +4,22 @@ use std::sync::Arc;
 
 use zbus::interface;
 
-use crate::engine::Pool;
+use crate::engine::{Engine, PoolSnapshot};
 
 pub struct PoolObject {
-    pool: Arc<Pool>,
+    engine: Arc<Engine>,
+    name: String,
 }
 
 impl PoolObject {
-    pub fn new(pool: Arc<Pool>) -> PoolObject {
-        PoolObject { pool }
+    pub fn new(engine: Arc<Engine>, name: String) -> PoolObject {
+        PoolObject { engine, name }
+    }
+
+    fn snapshot(&self) -> zbus::fdo::Result<PoolSnapshot> {
+        self.engine
+            .pool_snapshot(&self.name)
+            .map_err(|e| zbus::fdo::Error::Failed(e.to_string()))
     }
 }
 
@@ -20,46 +27,52 @@ impl PoolObject {
 impl PoolObject {
     #[zbus(property(emits_changed_signal = "const"))]
     async fn name(&self) -> String {
-        self.pool.name().to_owned()
+        self.name.clone()
     }
 
     /// The device whose protection domain registers the pool's regions.
     #[zbus(property(emits_changed_signal = "const"))]
-    async fn device(&self) -> String {
-        self.pool.device.clone()
+    async fn device(&self) -> zbus::fdo::Result<String> {
+        Ok(self.snapshot()?.device)
     }
 
     #[zbus(property(emits_changed_signal = "const"))]
-    async fn capacity(&self) -> u64 {
-        self.pool.config.capacity.0
+    async fn capacity(&self) -> zbus::fdo::Result<u64> {
+        Ok(self.snapshot()?.config.capacity.0)
     }
 
     /// Region sizes (empty for a pool with a granularity).
     #[zbus(property(emits_changed_signal = "const"))]
-    async fn size_classes(&self) -> Vec<u64> {
-        self.pool.config.size_classes.iter().map(|c| c.0).collect()
+    async fn size_classes(&self) -> zbus::fdo::Result<Vec<u64>> {
+        Ok(self
+            .snapshot()?
+            .config
+            .size_classes
+            .iter()
+            .map(|c| c.0)
+            .collect())
     }
 
     /// Bytes of regions handed out.
     #[zbus(property(emits_changed_signal = "false"))]
-    async fn used(&self) -> u64 {
-        self.pool.stats().used
+    async fn used(&self) -> zbus::fdo::Result<u64> {
+        Ok(self.snapshot()?.stats.used)
     }
 
     /// Bytes neither handed out nor warm.
     #[zbus(property(emits_changed_signal = "false"))]
-    async fn free(&self) -> u64 {
-        self.pool.stats().free
+    async fn free(&self) -> zbus::fdo::Result<u64> {
+        Ok(self.snapshot()?.stats.free)
     }
 
     #[zbus(property(emits_changed_signal = "false"), name = "NRegions")]
-    async fn n_regions(&self) -> u64 {
-        self.pool.stats().regions
+    async fn n_regions(&self) -> zbus::fdo::Result<u64> {
+        Ok(self.snapshot()?.stats.regions)
     }
 
     /// Fresh registered regions ready to hand out.
     #[zbus(property(emits_changed_signal = "false"))]
-    async fn warm_regions(&self) -> u64 {
-        self.pool.stats().warm_regions
+    async fn warm_regions(&self) -> zbus::fdo::Result<u64> {
+        Ok(self.snapshot()?.stats.warm_regions)
     }
 }

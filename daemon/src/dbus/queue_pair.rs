@@ -3,7 +3,6 @@
 
 use std::collections::HashMap;
 use std::net::Ipv6Addr;
-use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
 use rdmad_client::names::{qp_path, session_path};
@@ -17,9 +16,7 @@ use zbus::{interface, Connection};
 use super::context::Context;
 use super::options::Options;
 use super::wire;
-use crate::engine::qp::{QpId, QueuePairRecord};
-use crate::engine::Removed;
-use crate::provider::{QpState, RemoteEndpoint};
+use crate::engine::{QpId, QpInfo, QpState, RemoteEndpoint};
 
 pub struct QueuePairObject {
     ctx: Arc<Context>,
@@ -44,32 +41,27 @@ pub fn state_name(state: QpState) -> &'static str {
     }
 }
 
-pub fn info(id: QpId, q: &QueuePairRecord) -> QueuePairInfo {
-    let peer = q
-        .remote
-        .lock()
-        .unwrap_or_else(|e| e.into_inner())
-        .as_ref()
-        .map_or(String::new(), |r| format!("{}/{}", r.gid, r.qp_num));
+pub fn info(q: &QpInfo) -> QueuePairInfo {
     QueuePairInfo {
-        id,
-        path: wire::path(qp_path(id)),
+        id: q.id,
+        path: wire::path(qp_path(q.id)),
         session: wire::path(session_path(q.session)),
         owner_uid: q.owner_uid,
         device: q.device.clone(),
-        state: state_name(q.state()).to_owned(),
-        qp_num: q.local.qp_num,
-        send_depth: q.options.send_depth,
-        recv_depth: q.options.recv_depth,
-        peer,
-        posted: q.counters.posted.load(Ordering::Relaxed),
-        completed: q.counters.completed.load(Ordering::Relaxed),
-        failed: q.counters.failed.load(Ordering::Relaxed),
-        refused: q.counters.refused.load(Ordering::Relaxed),
+        state: state_name(q.state).to_owned(),
+        qp_num: q.qp_num,
+        send_depth: q.send_depth,
+        recv_depth: q.recv_depth,
+        peer: q
+            .peer
+            .map_or(String::new(), |(gid, qp_num)| format!("{gid}/{qp_num}")),
+        posted: q.posted,
+        completed: q.completed,
+        failed: q.failed,
+        refused: q.refused,
     }
 }
 
-/// Parses a peer's endpoint; every field error says which field and why.
 fn remote_endpoint(e: &Endpoint) -> Result<RemoteEndpoint, Error> {
     let gid: Ipv6Addr = e.gid.parse().map_err(|_| {
         Error::InvalidArgument(format!(
@@ -105,14 +97,14 @@ impl QueuePairObject {
         #[zbus(connection)] connection: &Connection,
     ) -> Result<Endpoint, Error> {
         let caller = self.ctx.caller(connection, &header).await?;
-        let q = self.ctx.engine.registry.own_qp(&caller, self.id)?;
+        let local = self.ctx.engine.qp_endpoint(&caller.owner(), self.id)?;
         Ok(Endpoint {
-            gid: q.local.gid.to_string(),
-            gid_index: q.local.gid_index,
-            qp_num: q.local.qp_num,
-            psn: q.local.psn,
-            mtu: q.local.mtu,
-            lid: q.local.lid,
+            gid: local.gid.to_string(),
+            gid_index: local.gid_index,
+            qp_num: local.qp_num,
+            psn: local.psn,
+            mtu: local.mtu,
+            lid: local.lid,
         })
     }
 
@@ -127,14 +119,12 @@ impl QueuePairObject {
     ) -> Result<(), Error> {
         Options::new("Connect", &options, &[])?;
         let caller = self.ctx.caller(connection, &header).await?;
-        let q = self.ctx.engine.registry.own_qp(&caller, self.id)?;
+        // Someone else's queue pair is refused before its arguments are looked at.
+        self.ctx.engine.qp_endpoint(&caller.owner(), self.id)?;
         let peer = remote_endpoint(&remote)?;
-        let mtu = q.local.mtu.min(remote.mtu);
+        let (id, peer_mtu) = (self.id, remote.mtu);
         self.ctx
-            .blocking(move |e| {
-                let entry = e.device(&q.device)?;
-                q.connect_with_mtu(entry.device.as_ref(), peer, mtu)
-            })
+            .blocking(move |e| e.connect_qp(&caller.owner(), id, peer, peer_mtu))
             .await??;
         tracing::info!(qp = self.id, peer = %remote.gid, peer_qpn = remote.qp_num, "queue pair connected");
         Ok(())
@@ -149,13 +139,10 @@ impl QueuePairObject {
     ) -> Result<(), Error> {
         let caller = self.ctx.caller(connection, &header).await?;
         let id = self.id;
-        self.ctx
-            .blocking(move |e| e.registry.destroy_qp(&caller, id))
+        let removed = self
+            .ctx
+            .blocking(move |e| e.destroy_qp(&caller.owner(), id))
             .await??;
-        let removed = Removed {
-            qps: vec![self.id],
-            ..Removed::default()
-        };
         self.ctx.withdraw(server, &removed).await;
         Ok(())
     }
@@ -166,9 +153,12 @@ impl QueuePairObject {
         #[zbus(connection)] connection: &Connection,
     ) -> Result<QueuePairInfo, Error> {
         let caller = self.ctx.caller(connection, &header).await?;
-        let q = self.ctx.engine.registry.own_qp(&caller, self.id)?;
         let id = self.id;
         // The state comes from the device (ibv_query_qp).
-        self.ctx.blocking(move |_| info(id, &q)).await
+        let q = self
+            .ctx
+            .blocking(move |e| e.qp(&caller.owner(), id))
+            .await??;
+        Ok(info(&q))
     }
 }

@@ -15,7 +15,8 @@ use zbus::{interface, Connection};
 use super::context::Context;
 use super::options::Options;
 use super::wire;
-use crate::engine::{AttachMode, RegionId, Removed};
+use crate::engine::{AttachMode, RegionId, RemoteRights};
+use crate::policy;
 
 pub struct RegionObject {
     ctx: Arc<Context>,
@@ -39,13 +40,10 @@ impl RegionObject {
     ) -> Result<(), Error> {
         let caller = self.ctx.caller(connection, &header).await?;
         let id = self.id;
-        self.ctx
-            .blocking(move |e| e.registry.free(&caller, id))
+        let removed = self
+            .ctx
+            .blocking(move |e| e.free(&caller.owner(), id))
             .await??;
-        let removed = Removed {
-            regions: vec![self.id],
-            ..Removed::default()
-        };
         self.ctx.withdraw(server, &removed).await;
         Ok(())
     }
@@ -68,13 +66,11 @@ impl RegionObject {
         };
         let lifetime = opts.unsigned("expires_in")?.map(Duration::from_secs);
         let caller = self.ctx.caller(connection, &header).await?;
-        let (token, key) = self.ctx.engine.registry.share(
-            &self.ctx.config(),
-            &caller,
-            self.id,
-            access,
-            lifetime,
-        )?;
+        let limits = policy::limits(&caller, &self.ctx.config());
+        let (token, key) =
+            self.ctx
+                .engine
+                .share(&caller.owner(), &limits, self.id, access, lifetime)?;
         tracing::info!(
             region = self.id,
             key,
@@ -99,20 +95,20 @@ impl RegionObject {
     ) -> Result<(u64, u32, u64, u64), Error> {
         let opts = Options::new("ExportRemote", &options, &["access"])?;
         let letters = opts.string("access")?.unwrap_or_else(|| "rw".to_owned());
-        let mut access = crate::provider::Access::NONE;
+        let mut access = RemoteRights::default();
         for c in letters.chars() {
-            access = access.union(match c {
-                'r' => crate::provider::Access::REMOTE_READ,
-                'w' => crate::provider::Access::REMOTE_WRITE,
-                'a' => crate::provider::Access::REMOTE_ATOMIC,
+            match c {
+                'r' => access.read = true,
+                'w' => access.write = true,
+                'a' => access.atomic = true,
                 _ => {
                     return Err(Error::InvalidArgument(format!(
                         "ExportRemote: access {letters:?}: use letters r, w and a"
                     )))
                 }
-            });
+            }
         }
-        if access == crate::provider::Access::NONE {
+        if access == RemoteRights::default() {
             return Err(Error::InvalidArgument(
                 "ExportRemote: access must grant something".into(),
             ));
@@ -121,13 +117,21 @@ impl RegionObject {
             .filter(|_| qp.as_str().starts_with(rdmad_client::names::QP_PATH_PREFIX))
             .ok_or_else(|| Error::InvalidArgument(format!("{qp} is not a queue pair's path")))?;
         let caller = self.ctx.caller(connection, &header).await?;
-        let id = self.id;
-        let (export, addr, rkey, len) = self
+        let (id, config) = (self.id, self.ctx.config());
+        let export = self
             .ctx
-            .blocking(move |e| e.export_remote(&caller, id, qp_id, access))
+            .blocking(move |e| {
+                let limits = policy::limits(&caller, &config);
+                e.export_remote(&caller.owner(), &limits, id, qp_id, access)
+            })
             .await??;
-        tracing::info!(region = self.id, qp = qp_id, export, "region exported");
-        Ok((addr, rkey, len, export))
+        tracing::info!(
+            region = self.id,
+            qp = qp_id,
+            export = export.export,
+            "region exported"
+        );
+        Ok((export.addr, export.rkey, export.len, export.export))
     }
 
     /// Invalidates an export: the rkey it gave stops working.
@@ -141,7 +145,7 @@ impl RegionObject {
         let id = self.id;
         Ok(self
             .ctx
-            .blocking(move |e| e.release_export(&caller, id, export_id))
+            .blocking(move |e| e.release_export(&caller.owner(), id, export_id))
             .await??)
     }
 
@@ -153,22 +157,11 @@ impl RegionObject {
         #[zbus(connection)] connection: &Connection,
     ) -> Result<(), Error> {
         let caller = self.ctx.caller(connection, &header).await?;
-        let info = self
+        let scope = policy::scope(&caller, &self.ctx.config());
+        Ok(self
             .ctx
             .engine
-            .registry
-            .region(&self.ctx.config(), &caller, self.id)?;
-        if !info.keys.iter().any(|k| k.id == key_id) {
-            return Err(Error::NoSuchObject(format!(
-                "region {} has no key {key_id}",
-                self.id
-            )));
-        }
-        self.ctx
-            .engine
-            .registry
-            .revoke(&self.ctx.config(), &caller, key_id)?;
-        Ok(())
+            .revoke_of_region(&caller.owner(), scope, self.id, key_id)?)
     }
 
     /// Ends the caller's attachment of this region.
@@ -178,7 +171,7 @@ impl RegionObject {
         #[zbus(connection)] connection: &Connection,
     ) -> Result<(), Error> {
         let caller = self.ctx.caller(connection, &header).await?;
-        Ok(self.ctx.engine.registry.detach(&caller, self.id)?)
+        Ok(self.ctx.engine.detach(&caller.owner(), self.id)?)
     }
 
     async fn get_info(
@@ -187,11 +180,8 @@ impl RegionObject {
         #[zbus(connection)] connection: &Connection,
     ) -> Result<RegionInfo, Error> {
         let caller = self.ctx.caller(connection, &header).await?;
-        let info = self
-            .ctx
-            .engine
-            .registry
-            .region(&self.ctx.config(), &caller, self.id)?;
+        let scope = policy::scope(&caller, &self.ctx.config());
+        let info = self.ctx.engine.region(&caller.owner(), scope, self.id)?;
         Ok(wire::region(&info))
     }
 }

@@ -15,8 +15,8 @@ use zbus::{interface, Connection};
 use super::context::Context;
 use super::options::Options;
 use super::wire;
-use crate::engine::qp::QpOptions;
-use crate::engine::SessionId;
+use crate::engine::{QpOptions, SessionId};
+use crate::policy;
 
 pub struct SessionObject {
     ctx: Arc<Context>,
@@ -42,7 +42,9 @@ impl SessionObject {
         let (id, uid, config) = (self.id, caller.uid, self.ctx.config());
         let removed = self
             .ctx
-            .blocking(move |e| e.registry.close_session(&config, &caller, id))
+            .blocking(move |e| {
+                e.close_session(&caller.owner(), policy::scope(&caller, &config), id)
+            })
             .await??;
         tracing::info!(
             session = self.id,
@@ -67,11 +69,15 @@ impl SessionObject {
     ) -> Result<(OwnedObjectPath, OwnedFd, u64), Error> {
         Options::new("AllocateRegion", &options, &[])?;
         let caller = self.ctx.caller(connection, &header).await?;
-        let pool = Arc::clone(self.ctx.engine.pool(pool)?);
-        let (id, config, allocating) = (self.id, self.ctx.config(), caller.clone());
+        let (id, config, allocating, pool) =
+            (self.id, self.ctx.config(), caller.clone(), pool.to_owned());
         let handout = self
             .ctx
-            .blocking(move |e| e.registry.allocate(&config, &allocating, id, &pool, size))
+            .blocking(move |e| {
+                let limits = policy::limits(&allocating, &config);
+                let pools = policy::pool_access(&allocating, &e.pool_configs());
+                e.allocate(&allocating.owner(), &limits, &pools, id, &pool, size)
+            })
             .await??;
         self.ctx
             .publish_region(server, &caller, handout.region)
@@ -103,7 +109,10 @@ impl SessionObject {
         let (id, key) = (self.id, key.to_owned());
         let handout = self
             .ctx
-            .blocking(move |e| e.registry.attach(&caller, id, &key))
+            .blocking(move |e| {
+                let pools = policy::pool_access(&caller, &e.pool_configs());
+                e.attach(&caller.owner(), &pools, id, &key)
+            })
             .await??;
         tracing::info!(
             session = self.id,
@@ -154,36 +163,37 @@ impl SessionObject {
             }
         }
         let caller = self.ctx.caller(connection, &header).await?;
-        let (session, creating, on) = (self.id, caller.clone(), device.to_owned());
-        let (id, q) = self
+        let (session, creating, on, config) = (
+            self.id,
+            caller.clone(),
+            device.to_owned(),
+            self.ctx.config(),
+        );
+        let q = self
             .ctx
-            .blocking(move |e| e.create_qp(&creating, session, &on, qp_options))
+            .blocking(move |e| {
+                let limits = policy::limits(&creating, &config);
+                e.create_qp(&creating.owner(), &limits, session, &on, qp_options)
+            })
             .await??;
-        let dup = |fd: std::os::fd::BorrowedFd<'_>| {
-            fd.try_clone_to_owned()
-                .map(OwnedFd::from)
-                .map_err(|e| Error::DeviceError(format!("cannot hand out the queue pair: {e}")))
-        };
-        let ring = dup(q.ring.fd())?;
-        let doorbell = dup(q.doorbell.client_end())?;
-        let completion = dup(q.completion_event.client_end())?;
+        let id = q.id;
         self.ctx.publish_qp(server, &caller, id).await?;
         tracing::info!(
             session = self.id,
             qp = id,
-            qpn = q.local.qp_num,
+            qpn = q.qp_num,
             device,
             "queue pair created"
         );
         Ok((
             wire::path(rdmad_client::names::qp_path(id)),
-            ring,
-            doorbell,
-            completion,
+            OwnedFd::from(q.ring),
+            OwnedFd::from(q.doorbell),
+            OwnedFd::from(q.completion),
             RingInfo {
-                size: q.ring.len() as u64,
-                sq_entries: q.layout.sq_entries,
-                cq_entries: q.layout.cq_entries,
+                size: q.ring_size,
+                sq_entries: q.sq_entries,
+                cq_entries: q.cq_entries,
             },
         ))
     }
@@ -194,11 +204,8 @@ impl SessionObject {
         #[zbus(connection)] connection: &Connection,
     ) -> Result<SessionInfo, Error> {
         let caller = self.ctx.caller(connection, &header).await?;
-        let info = self
-            .ctx
-            .engine
-            .registry
-            .session(&self.ctx.config(), &caller, self.id)?;
+        let scope = policy::scope(&caller, &self.ctx.config());
+        let info = self.ctx.engine.session(&caller.owner(), scope, self.id)?;
         Ok(wire::session(&info))
     }
 }

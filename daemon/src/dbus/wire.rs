@@ -6,8 +6,7 @@ use rdmad_client::names::{pool_path, region_path, session_path};
 use rdmad_client::types::{KeyInfo, PoolInfo, RegionInfo, SessionInfo};
 use zbus::zvariant::OwnedObjectPath;
 
-use crate::engine::registry;
-use crate::engine::Pool;
+use crate::engine::{PoolSnapshot, RegionInfo as EngineRegion, SessionInfo as EngineSession};
 use crate::policy::quota::user_name;
 
 pub fn path(p: String) -> OwnedObjectPath {
@@ -23,7 +22,7 @@ fn count(n: usize) -> u32 {
     u32::try_from(n).unwrap_or(u32::MAX)
 }
 
-pub fn session(s: &registry::SessionInfo) -> SessionInfo {
+pub fn session(s: &EngineSession) -> SessionInfo {
     SessionInfo {
         id: s.id,
         path: path(session_path(s.id)),
@@ -38,7 +37,7 @@ pub fn session(s: &registry::SessionInfo) -> SessionInfo {
     }
 }
 
-pub fn region(r: &registry::RegionInfo) -> RegionInfo {
+pub fn region(r: &EngineRegion) -> RegionInfo {
     RegionInfo {
         id: r.id,
         path: path(region_path(r.id)),
@@ -62,11 +61,11 @@ pub fn region(r: &registry::RegionInfo) -> RegionInfo {
     }
 }
 
-pub fn pool(p: &Pool) -> PoolInfo {
-    let stats = p.stats();
+pub fn pool(p: &PoolSnapshot) -> PoolInfo {
+    let stats = &p.stats;
     PoolInfo {
-        name: p.name().to_owned(),
-        path: path(pool_path(p.name())),
+        name: p.config.name.clone(),
+        path: path(pool_path(&p.config.name)),
         device: p.device.clone(),
         capacity: stats.capacity,
         used: stats.used,

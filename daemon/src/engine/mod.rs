@@ -1,56 +1,153 @@
-//! The registry of everything rdmad owns: devices with their protection domains now,
-//! sessions, regions and queue pairs as they arrive. No zbus types here; the D-Bus layer
-//! calls in, the providers are called out to.
+//! The engine: everything rdmad owns — devices with their protection domains, pools,
+//! sessions, regions, keys, queue pairs and exports — behind one face, [`Engine`]. The
+//! D-Bus layer calls in with plain inputs the policy layer made (an [`Owner`], [`Limits`],
+//! a [`Scope`], [`PoolAccess`]); the providers are called out to. No zbus types and no
+//! bus callers here. Its submodules are private: what it offers is what this file exports.
 
-pub mod datapath;
+mod datapath;
 mod devices;
-pub mod pool;
-pub mod qp;
-pub mod registry;
+mod error;
+mod pool;
+mod qp;
+mod registry;
+mod tenancy;
+mod token;
 
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Arc, RwLock};
-use std::time::SystemTime;
+use std::time::{Duration, SystemTime};
 
-pub use devices::{open_devices, DeviceEntry, DeviceSelection};
-pub use pool::{Pool, PoolStats};
-pub use registry::{AttachMode, Handout, KeyId, RegionId, Registry, Removed, SessionId};
+/// Device facts and errors the engine passes on as the device reports them.
+pub use crate::provider::{
+    DeviceAttributes, GidEntry, Lingering, ObjectCounts, PortAttributes, ProviderError, QpState,
+    RemoteEndpoint,
+};
+pub use devices::DeviceSelection;
+pub use error::EngineError;
+pub use pool::{PoolStats, REGION_ACCESS};
+pub use qp::{ExportId, LocalEndpoint, QpId, QpOptions};
+pub use registry::{
+    AttachMode, Handout, KeyId, KeyInfo, QuotaLine, RegionId, RegionInfo, Removed, SessionId,
+    SessionInfo,
+};
+pub use tenancy::{Limit, Limits, Owner, PoolAccess, QuotaError, Scope, Usage};
 
-use crate::config::{Config, ConfigError, PoolConfig, ProviderChoice};
+use crate::config::{Config, ConfigError, PoolConfig, ProviderChoice, QuotaKind};
 use crate::lock::lock;
-use crate::policy::quota::{Capacity, OversizedQuota, QuotaError};
-use crate::provider::{ObjectCounts, ProviderError};
+use devices::{open_devices, DeviceEntry};
+use pool::Pool;
+use qp::QueuePairRecord;
+use registry::Registry;
 
-#[derive(Debug, thiserror::Error)]
-pub enum EngineError {
-    #[error("no device named {name:?} (devices: {available})")]
-    NoSuchDevice { name: String, available: String },
-    #[error(transparent)]
-    Provider(#[from] ProviderError),
-    #[error(transparent)]
-    Config(#[from] ConfigError),
-    #[error("{0}")]
-    Startup(String),
-    #[error("{0} does not exist")]
-    NoSuchObject(String),
-    #[error("{0}")]
-    NotAuthorized(String),
-    #[error(transparent)]
-    Quota(#[from] QuotaError),
-    #[error("{0}")]
-    PoolExhausted(String),
-    #[error("{0}")]
-    InvalidArgument(String),
-    #[error("{0}")]
-    Io(String),
+/// What the engine holds, counted (`Manager.ObjectCounts`, `rdmactl status`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Counts {
+    /// Sessions, those still being released included.
+    pub sessions: usize,
+    pub regions: usize,
+    pub keys: usize,
+    pub qps: usize,
+}
+
+/// What a peer may do through an export.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct RemoteRights {
+    pub read: bool,
+    pub write: bool,
+    pub atomic: bool,
+}
+
+impl RemoteRights {
+    fn access(self) -> crate::provider::Access {
+        use crate::provider::Access;
+        let mut access = Access::NONE;
+        for (wanted, right) in [
+            (self.read, Access::REMOTE_READ),
+            (self.write, Access::REMOTE_WRITE),
+            (self.atomic, Access::REMOTE_ATOMIC),
+        ] {
+            if wanted {
+                access = access.union(right);
+            }
+        }
+        access
+    }
+}
+
+/// A new export: its id and what the peer needs to reach the region.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ExportHandout {
+    pub export: ExportId,
+    pub addr: u64,
+    pub rkey: u32,
+    pub len: u64,
+}
+
+#[cfg(test)]
+impl ExportHandout {
+    /// (export, addr, rkey, len).
+    fn parts(self) -> (ExportId, u64, u32, u64) {
+        (self.export, self.addr, self.rkey, self.len)
+    }
+}
+
+/// A new queue pair handed to its client: its id, descriptors of its ring memfd, its
+/// doorbell (write end) and completion channel (read end), the ring's size and depths.
+#[derive(Debug)]
+pub struct QpHandout {
+    pub id: QpId,
+    pub qp_num: u32,
+    pub ring: std::os::fd::OwnedFd,
+    pub doorbell: std::os::fd::OwnedFd,
+    pub completion: std::os::fd::OwnedFd,
+    pub ring_size: u64,
+    pub sq_entries: u32,
+    pub cq_entries: u32,
+}
+
+/// A queue pair as its viewer sees it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct QpInfo {
+    pub id: QpId,
+    pub session: SessionId,
+    pub owner_uid: u32,
+    pub device: String,
+    /// From the device (`ibv_query_qp`).
+    pub state: QpState,
+    pub qp_num: u32,
+    pub send_depth: u32,
+    pub recv_depth: u32,
+    /// The peer's GID and QPN, once connected.
+    pub peer: Option<(std::net::Ipv6Addr, u32)>,
+    pub posted: u64,
+    pub completed: u64,
+    pub failed: u64,
+    pub refused: u64,
+}
+
+/// A served device: what never changes while rdmad runs.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DeviceSummary {
+    pub name: String,
+    pub provider: String,
+    /// The port queue pairs use.
+    pub port: u8,
+}
+
+/// A pool as configured, with its live use.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PoolSnapshot {
+    pub config: PoolConfig,
+    pub device: String,
+    pub stats: PoolStats,
 }
 
 /// The daemon's state.
 #[derive(Debug)]
 pub struct Engine {
     /// Sessions, regions, keys and queue pairs.
-    pub registry: Arc<Registry>,
+    registry: Arc<Registry>,
     /// One data-path worker per device, by device name.
     workers: std::collections::HashMap<String, Arc<datapath::worker::Worker>>,
     pools: Vec<Arc<Pool>>,
@@ -130,49 +227,48 @@ impl Engine {
             started: SystemTime::now(),
             reloads: AtomicU32::new(0),
         };
-        engine.warn_of_oversized_quotas(&engine.config());
         Ok(engine)
     }
 
-    /// The quotas of `config` under which one user could take a whole pool served here,
-    /// or every memory window of a device.
-    pub fn oversized_quotas(&self, config: &Config) -> Vec<OversizedQuota> {
-        let pools: Vec<PoolConfig> = self.pools.iter().map(|p| p.config.clone()).collect();
-        let devices: Vec<Capacity> = self
+    /// What the quotas of a configuration draw on: the pools served here, as configured at
+    /// start, and each device's memory windows (`max_mw`).
+    pub fn capacities(&self) -> (Vec<PoolConfig>, Vec<(String, u64)>) {
+        let pools = self.pool_configs();
+        let windows = self
             .devices
             .iter()
             .filter_map(|d| {
-                Some(Capacity {
-                    name: d.device.name().to_owned(),
-                    amount: u64::from(d.device.attributes().ok()?.max_mw),
-                })
+                Some((
+                    d.device.name().to_owned(),
+                    u64::from(d.device.attributes().ok()?.max_mw),
+                ))
             })
             .collect();
-        crate::policy::quota::oversized(config, &pools, &devices)
+        (pools, windows)
     }
 
-    /// One warning per quota that protects nothing (see [`Engine::oversized_quotas`]).
-    fn warn_of_oversized_quotas(&self, config: &Config) {
-        for q in self.oversized_quotas(config) {
-            tracing::warn!(table = %q.table, key = q.kind.key(), "{q}");
-        }
+    /// The pools served here, as configured when the engine started.
+    pub fn pool_configs(&self) -> Vec<PoolConfig> {
+        self.pools.iter().map(|p| p.config.clone()).collect()
     }
 
-    pub fn devices(&self) -> &[DeviceEntry] {
+    #[cfg(test)]
+    fn devices(&self) -> &[DeviceEntry] {
         &self.devices
     }
 
-    pub fn device(&self, name: &str) -> Result<&DeviceEntry, EngineError> {
+    fn device(&self, name: &str) -> Result<&DeviceEntry, EngineError> {
         self.devices
             .iter()
             .find(|d| d.device.name() == name)
             .ok_or_else(|| EngineError::NoSuchDevice {
                 name: name.to_owned(),
-                available: self.device_names(),
+                available: self.device_list(),
             })
     }
 
-    fn device_names(&self) -> String {
+    /// The devices served, for messages: `a, b`, or `none`.
+    fn device_list(&self) -> String {
         let names: Vec<&str> = self.devices.iter().map(|d| d.device.name()).collect();
         if names.is_empty() {
             "none".to_owned()
@@ -181,48 +277,318 @@ impl Engine {
         }
     }
 
-    /// Creates a queue pair for `session` on `device` and starts serving its rings.
+    // Devices.
+
+    /// The names of the devices served, in the order they were opened.
+    pub fn device_names(&self) -> Vec<String> {
+        self.devices
+            .iter()
+            .map(|d| d.device.name().to_owned())
+            .collect()
+    }
+
+    /// Device `name`'s name, provider and port.
+    pub fn device_summary(&self, name: &str) -> Result<DeviceSummary, EngineError> {
+        let entry = self.device(name)?;
+        Ok(DeviceSummary {
+            name: entry.device.name().to_owned(),
+            provider: entry.device.provider().to_string(),
+            port: entry.port,
+        })
+    }
+
+    /// Device `name`'s attributes, as the device reports them now (a verbs call: may block).
+    pub fn device_attributes(&self, name: &str) -> Result<DeviceAttributes, EngineError> {
+        Ok(self.device(name)?.device.attributes()?)
+    }
+
+    /// Every port of device `name`, as the device reports them now (may block).
+    pub fn device_ports(&self, name: &str) -> Result<Vec<PortAttributes>, EngineError> {
+        let device = &self.device(name)?.device;
+        let count = device.attributes()?.port_count;
+        (1..=count)
+            .map(|port| Ok(device.query_port(port)?))
+            .collect()
+    }
+
+    /// The GID table of every port of device `name`: (port, entry), read now (may block).
+    pub fn device_gids(&self, name: &str) -> Result<Vec<(u8, GidEntry)>, EngineError> {
+        let device = &self.device(name)?.device;
+        let count = device.attributes()?.port_count;
+        let mut out = Vec::new();
+        for port in 1..=count {
+            out.extend(device.gid_table(port)?.into_iter().map(|g| (port, g)));
+        }
+        Ok(out)
+    }
+
+    /// What device `name` refused to destroy (see [`Engine::lingering`]).
+    pub fn device_lingering(&self, name: &str) -> Result<Vec<Lingering>, EngineError> {
+        Ok(self.device(name)?.device.lingering())
+    }
+
+    // Sessions.
+
+    /// Opens a session for `owner`, within `limits`.
+    pub fn open_session(&self, owner: &Owner, limits: &Limits) -> Result<SessionId, EngineError> {
+        self.registry.open_session(owner, limits)
+    }
+
+    /// Closes session `id` (`owner`'s user's, or anyone's in scope `All`); returns what
+    /// was removed with it.
+    pub fn close_session(
+        &self,
+        owner: &Owner,
+        scope: Scope,
+        id: SessionId,
+    ) -> Result<Removed, EngineError> {
+        self.registry.close_session(owner, scope, id)
+    }
+
+    /// Closes every session of a bus connection that left the bus; returns what was
+    /// removed.
+    pub fn close_sessions_of(&self, connection: &str) -> Removed {
+        self.registry.close_sessions_of(connection)
+    }
+
+    /// Closes every session (the bus is going away); returns what was removed.
+    pub fn close_all(&self) -> Removed {
+        self.registry.close_all()
+    }
+
+    pub fn session(
+        &self,
+        viewer: &Owner,
+        scope: Scope,
+        id: SessionId,
+    ) -> Result<SessionInfo, EngineError> {
+        self.registry.session(viewer, scope, id)
+    }
+
+    pub fn sessions(&self, viewer: &Owner, scope: Scope) -> Vec<SessionInfo> {
+        self.registry.sessions(viewer, scope)
+    }
+
+    // Regions and keys.
+
+    /// Allocates a region of at least `size` bytes from pool `pool` into `session`
+    /// (`owner`'s), within `limits` and if `pools` admits the pool.
+    pub fn allocate(
+        &self,
+        owner: &Owner,
+        limits: &Limits,
+        pools: &PoolAccess,
+        session: SessionId,
+        pool: &str,
+        size: u64,
+    ) -> Result<Handout, EngineError> {
+        let pool = self.pool(pool)?;
+        self.registry
+            .allocate(owner, limits, pools, session, pool, size)
+    }
+
+    /// Frees region `id` (`owner`'s connection's); returns what was removed.
+    pub fn free(&self, owner: &Owner, id: RegionId) -> Result<Removed, EngineError> {
+        self.registry.free(owner, id)?;
+        Ok(Removed {
+            regions: vec![id],
+            ..Removed::default()
+        })
+    }
+
+    /// Creates an access key for region `id` (`owner`'s connection's), within `limits`;
+    /// returns the token and the key's id.
+    pub fn share(
+        &self,
+        owner: &Owner,
+        limits: &Limits,
+        id: RegionId,
+        access: AttachMode,
+        lifetime: Option<Duration>,
+    ) -> Result<(String, KeyId), EngineError> {
+        self.registry.share(owner, limits, id, access, lifetime)
+    }
+
+    /// Revokes key `key` (its region's owner's, or anyone's in scope `All`).
+    pub fn revoke(&self, owner: &Owner, scope: Scope, key: KeyId) -> Result<(), EngineError> {
+        self.registry.revoke(owner, scope, key)
+    }
+
+    /// Revokes key `key` of region `region`, which `viewer` must see.
+    pub fn revoke_of_region(
+        &self,
+        owner: &Owner,
+        scope: Scope,
+        region: RegionId,
+        key: KeyId,
+    ) -> Result<(), EngineError> {
+        let info = self.registry.region(owner, scope, region)?;
+        if !info.keys.iter().any(|k| k.id == key) {
+            return Err(EngineError::NoSuchObject(format!(
+                "key {key} of region {region}"
+            )));
+        }
+        self.registry.revoke(owner, scope, key)
+    }
+
+    /// Attaches the region `token` grants to `session` (`owner`'s), if `pools` admits its
+    /// pool.
+    pub fn attach(
+        &self,
+        owner: &Owner,
+        pools: &PoolAccess,
+        session: SessionId,
+        token: &str,
+    ) -> Result<Handout, EngineError> {
+        self.registry.attach(owner, pools, session, token)
+    }
+
+    /// Ends the attachment of region `id` to a session of `owner`'s connection.
+    pub fn detach(&self, owner: &Owner, id: RegionId) -> Result<(), EngineError> {
+        self.registry.detach(owner, id)
+    }
+
+    pub fn region(
+        &self,
+        viewer: &Owner,
+        scope: Scope,
+        id: RegionId,
+    ) -> Result<RegionInfo, EngineError> {
+        self.registry.region(viewer, scope, id)
+    }
+
+    pub fn regions(&self, viewer: &Owner, scope: Scope) -> Vec<RegionInfo> {
+        self.registry.regions(viewer, scope)
+    }
+
+    // Quotas.
+
+    /// The limits of the user `limits` are for, next to its live use.
+    pub fn quota(&self, limits: &Limits) -> Vec<QuotaLine> {
+        self.registry.quota(limits)
+    }
+
+    // Queue pairs.
+
+    /// Creates a queue pair for `session` (`owner`'s) on `device`, within `limits`, and
+    /// starts serving its rings.
     pub fn create_qp(
         &self,
-        caller: &crate::policy::Caller,
+        owner: &Owner,
+        limits: &Limits,
         session: SessionId,
         device: &str,
-        options: qp::QpOptions,
-    ) -> Result<(qp::QpId, Arc<qp::QueuePairRecord>), EngineError> {
+        options: QpOptions,
+    ) -> Result<QpHandout, EngineError> {
         let entry = self.device(device)?;
-        let (id, record) =
-            self.registry
-                .create_qp(&self.config(), caller, session, entry, options)?;
+        let (id, record) = self
+            .registry
+            .create_qp(owner, limits, session, entry, options)?;
         if let Some(worker) = self.workers.get(device) {
             worker.add(id, Arc::clone(&record));
             // The session may have been closed since the registry took the QP, and the
             // worker told to let go of it before it had it: look again now that it has it.
-            if self.registry.own_qp(caller, id).is_err() {
+            if self.registry.own_qp(owner, id).is_err() {
                 worker.remove(&[id]);
                 return Err(EngineError::NoSuchObject(format!(
                     "session {session} (closed while the queue pair was made)"
                 )));
             }
         }
-        Ok((id, record))
+        let dup = |fd: std::os::fd::BorrowedFd<'_>| {
+            fd.try_clone_to_owned()
+                .map_err(|e| EngineError::Io(format!("cannot hand out queue pair {id}: {e}")))
+        };
+        let handout = (|| {
+            Ok(QpHandout {
+                id,
+                qp_num: record.local.qp_num,
+                ring: dup(record.ring.fd())?,
+                doorbell: dup(record.doorbell.client_end())?,
+                completion: dup(record.completion_event.client_end())?,
+                ring_size: record.ring.len() as u64,
+                sq_entries: record.layout.sq_entries,
+                cq_entries: record.layout.cq_entries,
+            })
+        })();
+        if handout.is_err() {
+            let _ = self.registry.destroy_qp(owner, id);
+        }
+        handout
     }
 
-    /// Binds a type-2 window over region `region` through QP `qp` (both the caller's, on
-    /// one device, the QP connected) so the QP's peer can reach it with `access`, within
-    /// the caller's `exports` quota. Every call binds a window of its own, with its own
-    /// rkey and export id. Returns the export id and what the peer needs:
-    /// `(addr, rkey, length)`.
+    /// Whether `owner`'s connection owns queue pair `id`.
+    pub fn owns_qp(&self, owner: &Owner, id: QpId) -> bool {
+        self.registry.own_qp(owner, id).is_ok()
+    }
+
+    /// What a peer needs to connect to queue pair `id` (`owner`'s connection's).
+    pub fn qp_endpoint(&self, owner: &Owner, id: QpId) -> Result<LocalEndpoint, EngineError> {
+        Ok(self.registry.own_qp(owner, id)?.local.clone())
+    }
+
+    /// Connects queue pair `id` (`owner`'s connection's) to `peer`, with the path MTU the
+    /// smaller of both ends' and the device's connect defaults (verbs calls: may block).
+    pub fn connect_qp(
+        &self,
+        owner: &Owner,
+        id: QpId,
+        peer: RemoteEndpoint,
+        peer_mtu: u32,
+    ) -> Result<(), EngineError> {
+        let q = self.registry.own_qp(owner, id)?;
+        let mtu = q.local.mtu.min(peer_mtu);
+        let entry = self.device(&q.device)?;
+        q.connect_with_mtu(entry.device.as_ref(), peer, mtu)
+    }
+
+    /// Destroys queue pair `id` (`owner`'s connection's), its windows first; returns what
+    /// was removed.
+    pub fn destroy_qp(&self, owner: &Owner, id: QpId) -> Result<Removed, EngineError> {
+        self.registry.destroy_qp(owner, id)?;
+        Ok(Removed {
+            qps: vec![id],
+            ..Removed::default()
+        })
+    }
+
+    /// Queue pair `id` (`owner`'s connection's), its state read from the device (may
+    /// block).
+    pub fn qp(&self, owner: &Owner, id: QpId) -> Result<QpInfo, EngineError> {
+        Ok(qp_info(id, self.registry.own_qp(owner, id)?.as_ref()))
+    }
+
+    /// The queue pairs `viewer` may see, their states read from the device (may block).
+    pub fn qps(&self, viewer: &Owner, scope: Scope) -> Vec<QpInfo> {
+        self.registry
+            .qps(viewer, scope)
+            .iter()
+            .map(|(id, q)| qp_info(*id, q))
+            .collect()
+    }
+
+    // Exports.
+
+    /// Binds a type-2 window over region `region` through QP `qp` (both `owner`'s
+    /// connection's, on one device, the QP connected) so the QP's peer can reach it with
+    /// `rights`, within the `exports` limit of `limits`. Every call binds a window of its
+    /// own, with its own rkey and export id.
     pub fn export_remote(
         &self,
-        caller: &crate::policy::Caller,
+        owner: &Owner,
+        limits: &Limits,
         region: RegionId,
-        qp_id: qp::QpId,
-        access: crate::provider::Access,
-    ) -> Result<(qp::ExportId, u64, u32, u64), EngineError> {
-        use crate::config::QuotaKind;
-        use crate::provider::QpState;
-        let q = self.registry.own_qp(caller, qp_id)?;
-        let (mr, device) = self.registry.own_region_mr(caller, region)?;
+        qp_id: QpId,
+        rights: RemoteRights,
+    ) -> Result<ExportHandout, EngineError> {
+        let access = rights.access();
+        if access == crate::provider::Access::NONE {
+            return Err(EngineError::InvalidArgument(
+                "an export must grant the peer something: read, write or atomics".into(),
+            ));
+        }
+        let q = self.registry.own_qp(owner, qp_id)?;
+        let (mr, device) = self.registry.own_region_mr(owner, region)?;
         if device != q.device {
             return Err(EngineError::InvalidArgument(format!(
                 "region {region} is registered on {device}, queue pair {qp_id} is on {}",
@@ -234,19 +600,23 @@ impl Engine {
                 "queue pair {qp_id} is not connected: Connect it before exporting through it"
             )));
         }
-        self.registry
-            .reserve(&self.config(), caller, QuotaKind::Exports, 1)?;
+        self.registry.reserve(limits, QuotaKind::Exports, 1)?;
         let bound = self
-            .bind_window(caller, region, qp_id, &q, &mr, access)
+            .bind_window(owner, region, qp_id, &q, &mr, access)
             .and_then(|window| {
                 let rkey = window.rkey();
                 Ok((self.registry.add_export(region, qp_id, window)?, rkey))
             });
         match bound {
-            Ok((export, rkey)) => Ok((export, mr.addr(), rkey, mr.len() as u64)),
+            Ok((export, rkey)) => Ok(ExportHandout {
+                export,
+                addr: mr.addr(),
+                rkey,
+                len: mr.len() as u64,
+            }),
             Err(e) => {
                 self.registry
-                    .unreserve(caller.uid, &[(QuotaKind::Exports, 1)]);
+                    .unreserve(limits.uid, &[(QuotaKind::Exports, 1)]);
                 Err(e)
             }
         }
@@ -256,10 +626,10 @@ impl Engine {
     /// device's worker posts the bind).
     fn bind_window(
         &self,
-        caller: &crate::policy::Caller,
+        owner: &Owner,
         region: RegionId,
-        qp_id: qp::QpId,
-        q: &qp::QueuePairRecord,
+        qp_id: QpId,
+        q: &QueuePairRecord,
         mr: &Arc<dyn crate::provider::MemoryRegion>,
         access: crate::provider::Access,
     ) -> Result<Arc<dyn crate::provider::MemoryWindow>, EngineError> {
@@ -283,7 +653,7 @@ impl Engine {
             )
             .map_err(|e| {
                 // Destroyed (or its session closed) meanwhile: that is what the caller hears.
-                if self.registry.own_qp(caller, qp_id).is_err() {
+                if self.registry.own_qp(owner, qp_id).is_err() {
                     EngineError::NoSuchObject(format!(
                         "queue pair {qp_id} (destroyed while the export was being made)"
                     ))
@@ -294,24 +664,22 @@ impl Engine {
         Ok(window)
     }
 
-    /// Invalidates and releases an export: the peer's rkey stops working.
+    /// Invalidates and releases export `export` of region `region` (`owner`'s
+    /// connection's): the peer's rkey stops working.
     pub fn release_export(
         &self,
-        caller: &crate::policy::Caller,
+        owner: &Owner,
         region: RegionId,
-        export: qp::ExportId,
+        export: ExportId,
     ) -> Result<(), EngineError> {
-        let (qp_id, taken) = self.registry.remove_export(caller, region, export)?;
-        let device = self
-            .registry
-            .own_qp(caller, qp_id)
-            .map(|q| q.device.clone());
+        let (qp_id, taken) = self.registry.remove_export(owner, region, export)?;
+        let device = self.registry.own_qp(owner, qp_id).map(|q| q.device.clone());
         if let Some(worker) = device.ok().and_then(|d| self.workers.get(&d)) {
             let rkey = taken.window.rkey();
             if let Err(e) = worker.run(qp_id, crate::provider::SendOp::LocalInvalidate { rkey }) {
                 // Dropping the window below invalidates it as well. A QP destroyed since it
                 // was looked up (its session closed, `Destroy`) is no surprise.
-                if self.registry.own_qp(caller, qp_id).is_ok() {
+                if self.registry.own_qp(owner, qp_id).is_ok() {
                     tracing::warn!(region, export, "invalidation failed: {e}");
                 } else {
                     tracing::debug!(region, export, "the queue pair went away first: {e}");
@@ -325,11 +693,47 @@ impl Engine {
         Ok(())
     }
 
-    pub fn pools(&self) -> &[Arc<Pool>] {
-        &self.pools
+    // Pools, counts, configuration.
+
+    /// The names of the pools served.
+    pub fn pool_names(&self) -> Vec<String> {
+        self.pools.iter().map(|p| p.name().to_owned()).collect()
     }
 
-    pub fn pool(&self, name: &str) -> Result<&Arc<Pool>, EngineError> {
+    /// Pool `name` as configured, with its live use.
+    pub fn pool_snapshot(&self, name: &str) -> Result<PoolSnapshot, EngineError> {
+        let pool = self.pool(name)?;
+        Ok(PoolSnapshot {
+            config: pool.config.clone(),
+            device: pool.device.clone(),
+            stats: pool.stats(),
+        })
+    }
+
+    /// Every pool served, as configured, with its live use.
+    pub fn pool_snapshots(&self) -> Vec<PoolSnapshot> {
+        self.pools
+            .iter()
+            .map(|pool| PoolSnapshot {
+                config: pool.config.clone(),
+                device: pool.device.clone(),
+                stats: pool.stats(),
+            })
+            .collect()
+    }
+
+    /// Sessions (those still being released included), regions, keys and queue pairs.
+    pub fn counts(&self) -> Counts {
+        let (sessions, regions, keys) = self.registry.counts();
+        Counts {
+            sessions,
+            regions,
+            keys,
+            qps: self.registry.qp_count(),
+        }
+    }
+
+    fn pool(&self, name: &str) -> Result<&Arc<Pool>, EngineError> {
         self.pools.iter().find(|p| p.name() == name).ok_or_else(|| {
             let names: Vec<&str> = self.pools.iter().map(|p| p.name()).collect();
             EngineError::NoSuchObject(format!("pool {name:?} (pools: {})", names.join(", ")))
@@ -381,7 +785,6 @@ impl Engine {
         *slot = Arc::clone(&new);
         drop(slot);
         self.reloads.fetch_add(1, Ordering::Relaxed);
-        self.warn_of_oversized_quotas(&new);
         Ok((new, needs_restart))
     }
 
@@ -481,6 +884,27 @@ impl Engine {
             tracing::debug!(device = entry.device.name(), "closing device");
             drop(entry);
         }
+    }
+}
+
+/// A queue pair's snapshot; its state from the device.
+fn qp_info(id: QpId, q: &QueuePairRecord) -> QpInfo {
+    let peer = lock(&q.remote).as_ref().map(|r| (r.gid, r.qp_num));
+    let counter = |c: &std::sync::atomic::AtomicU64| c.load(Ordering::Relaxed);
+    QpInfo {
+        id,
+        session: q.session,
+        owner_uid: q.owner_uid,
+        device: q.device.clone(),
+        state: q.state(),
+        qp_num: q.local.qp_num,
+        send_depth: q.options.send_depth,
+        recv_depth: q.options.recv_depth,
+        peer,
+        posted: counter(&q.counters.posted),
+        completed: counter(&q.counters.completed),
+        failed: counter(&q.counters.failed),
+        refused: counter(&q.counters.refused),
     }
 }
 
@@ -613,35 +1037,26 @@ mod tests {
             )
             .unwrap(),
         );
-        let caller = crate::policy::Caller {
-            bus_name: ":1.1".into(),
+        let owner = Owner {
             uid: 0,
-            gids: Vec::new(),
+            connection: ":1.1".into(),
             pid: None,
         };
+        let limits = Limits::unlimited(0);
         let baseline = engine.provider_counts();
         // How long one creation takes, to spread the closings over it.
         let started = std::time::Instant::now();
-        let session = engine
-            .registry
-            .open_session(&engine.config(), &caller)
-            .unwrap();
-        drop(engine.create_qp(&caller, session, "loopback0", qp::QpOptions::default()));
+        let session = engine.open_session(&owner, &limits).unwrap();
+        drop(engine.create_qp(&owner, &limits, session, "loopback0", QpOptions::default()));
         let span = started.elapsed().max(std::time::Duration::from_micros(20));
-        engine
-            .registry
-            .close_session(&engine.config(), &caller, session)
-            .unwrap();
+        engine.close_session(&owner, Scope::Own, session).unwrap();
         let rounds = 3000u32;
         for round in 0..rounds {
-            let session = engine
-                .registry
-                .open_session(&engine.config(), &caller)
-                .unwrap();
+            let session = engine.open_session(&owner, &limits).unwrap();
             let barrier = Arc::new(std::sync::Barrier::new(2));
             let closer = {
-                let (engine, caller, barrier) =
-                    (Arc::clone(&engine), caller.clone(), Arc::clone(&barrier));
+                let (engine, owner, barrier) =
+                    (Arc::clone(&engine), owner.clone(), Arc::clone(&barrier));
                 let delay = span * round / rounds;
                 std::thread::spawn(move || {
                     barrier.wait();
@@ -649,14 +1064,11 @@ mod tests {
                     while std::time::Instant::now() < until {
                         std::hint::spin_loop();
                     }
-                    engine
-                        .registry
-                        .close_session(&engine.config(), &caller, session)
-                        .unwrap();
+                    engine.close_session(&owner, Scope::Own, session).unwrap();
                 })
             };
             barrier.wait();
-            drop(engine.create_qp(&caller, session, "loopback0", qp::QpOptions::default()));
+            drop(engine.create_qp(&owner, &limits, session, "loopback0", QpOptions::default()));
             closer.join().unwrap();
         }
         assert_eq!(engine.registry.qp_count(), 0);

@@ -258,6 +258,7 @@ impl ConnectDefaults {
 
 impl QueuePairRecord {
     /// Moves the QP RESET → INIT → RTR → RTS towards `remote`.
+    #[cfg(test)]
     pub fn connect(&self, dev: &dyn Device, remote: RemoteEndpoint) -> Result<(), EngineError> {
         self.connect_with_mtu(dev, remote, self.local.mtu)
     }

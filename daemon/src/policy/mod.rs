@@ -1,11 +1,12 @@
 //! Who may do what. Pure logic over the caller's identity (taken from the bus, never from
-//! arguments) and the configuration; tested without a bus.
+//! arguments) and the configuration, tested without a bus. It turns a caller into the plain
+//! inputs the engine takes: an [`Owner`], the [`Limits`] in force, a [`Scope`] and the
+//! [`PoolAccess`]. User and group lookups (NSS) happen here, never inside the engine.
 
-pub mod keys;
-pub mod lookups;
 pub mod quota;
 
 use crate::config::{Config, PoolConfig};
+use crate::engine::{Limits, Owner, PoolAccess, Scope};
 
 /// The identity of a D-Bus caller, as the bus daemon vouches for it.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -18,10 +19,84 @@ pub struct Caller {
     pub pid: Option<u32>,
 }
 
+impl Caller {
+    /// The owner of what this caller makes: its user and its connection.
+    pub fn owner(&self) -> Owner {
+        Owner {
+            uid: self.uid,
+            connection: self.bus_name.clone(),
+            pid: self.pid,
+        }
+    }
+}
+
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
 pub enum PolicyError {
     #[error("{action} needs administrator rights: run it as root{hint}")]
     NotAdmin { action: String, hint: String },
+    #[error("only administrators may read another user's quota")]
+    OthersQuota,
+}
+
+/// Whose objects `caller` may see, close and revoke: everyone's for an administrator, its
+/// user's otherwise.
+pub fn scope(caller: &Caller, config: &Config) -> Scope {
+    if is_admin(caller, config) {
+        Scope::All
+    } else {
+        Scope::Own
+    }
+}
+
+/// The quota limits in force for `caller`.
+pub fn limits(caller: &Caller, config: &Config) -> Limits {
+    quota::limits_for(config, caller.uid, &caller.gids)
+}
+
+/// The limits of user `uid` for `caller` to read: its own, or anyone's for an
+/// administrator.
+pub fn limits_of(caller: &Caller, config: &Config, uid: u32) -> Result<Limits, PolicyError> {
+    if uid == caller.uid {
+        return Ok(limits(caller, config));
+    }
+    if !is_admin(caller, config) {
+        return Err(PolicyError::OthersQuota);
+    }
+    Ok(quota::limits_for(config, uid, &quota::groups_of(uid)))
+}
+
+/// Which of `pools` (those the engine serves, as configured when it started) `caller` may
+/// allocate from and attach regions of; each refused one with a reason that names who may
+/// use it.
+pub fn pool_access(caller: &Caller, pools: &[PoolConfig]) -> PoolAccess {
+    let mut access = PoolAccess::everywhere();
+    let restricted: Vec<&PoolConfig> = pools.iter().filter(|p| !p.open_to_everyone()).collect();
+    if restricted.is_empty() {
+        return access;
+    }
+    let user = quota::user_name(caller.uid);
+    for c in restricted {
+        if pool_admits(c, &user, &caller.gids) {
+            continue;
+        }
+        let list = |names: &[String]| {
+            if names.is_empty() {
+                "none".to_owned()
+            } else {
+                names.join(", ")
+            }
+        };
+        access.refuse(
+            &c.name,
+            format!(
+                "user {user} may not use pool {:?} (allowed users: {}; groups: {})",
+                c.name,
+                list(&c.users),
+                list(&c.groups),
+            ),
+        );
+    }
+    access
 }
 
 /// Root is always an administrator; so are members of `daemon.admin_group`.
@@ -38,7 +113,7 @@ pub fn is_admin(caller: &Caller, config: &Config) -> bool {
 /// Whether `gids` include the group named `group` (false when there is no such group;
 /// a failed lookup is logged and denies).
 pub fn in_group(group: &str, gids: &[u32]) -> bool {
-    lookups::check("in_group");
+    crate::lock::check_lookup("in_group");
     match nix::unistd::Group::from_name(group) {
         Ok(Some(g)) => gids.contains(&g.gid.as_raw()),
         Ok(None) => false,

@@ -4,75 +4,11 @@
 use std::fmt;
 
 use crate::config::{ByteSize, Config, PoolConfig, QuotaKind, QuotaLimits};
-
-/// One limit and the configuration key it comes from.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Limit {
-    pub value: u64,
-    /// e.g. `quota.group.rdma.regions`, or `built-in default` when nothing set it.
-    pub source: String,
-}
-
-/// The limits of one user.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Limits {
-    pub user: String,
-    pub uid: u32,
-    limits: Vec<Limit>,
-}
-
-impl Limits {
-    pub fn get(&self, kind: QuotaKind) -> &Limit {
-        &self.limits[kind as usize]
-    }
-}
-
-/// Live use of one user.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct Usage {
-    counts: [u64; QuotaKind::ALL.len()],
-}
-
-impl Usage {
-    pub fn get(&self, kind: QuotaKind) -> u64 {
-        self.counts[kind as usize]
-    }
-
-    pub fn add(&mut self, kind: QuotaKind, amount: u64) {
-        self.counts[kind as usize] += amount;
-    }
-
-    pub fn sub(&mut self, kind: QuotaKind, amount: u64) {
-        let c = &mut self.counts[kind as usize];
-        debug_assert!(*c >= amount, "{kind:?} usage would go negative");
-        *c = c.saturating_sub(amount);
-    }
-
-    pub fn is_zero(&self) -> bool {
-        self.counts.iter().all(|&c| c == 0)
-    }
-}
-
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[error(
-    "quota exceeded: {what} of user {user} (uid {uid}): {used} in use, {requested} more requested, \
-     limit {limit} (set by {set_by}); raise quota.user.{user}.{key} to allow more"
-)]
-pub struct QuotaError {
-    pub kind: QuotaKind,
-    pub what: &'static str,
-    pub user: String,
-    pub uid: u32,
-    pub used: u64,
-    pub requested: u64,
-    pub limit: u64,
-    pub set_by: String,
-    pub key: &'static str,
-}
+pub use crate::engine::{Limit, Limits, QuotaError, Usage};
 
 /// The user name of `uid`, or the number when it has none.
 pub fn user_name(uid: u32) -> String {
-    super::lookups::check("user_name");
+    crate::lock::check_lookup("user_name");
     match nix::unistd::User::from_uid(nix::unistd::Uid::from_raw(uid)) {
         Ok(Some(user)) => user.name,
         _ => uid.to_string(),
@@ -82,7 +18,7 @@ pub fn user_name(uid: u32) -> String {
 /// The groups of `uid` as the system lists them (for callers whose groups the bus did not
 /// report, e.g. `GetQuota` of another user).
 pub fn groups_of(uid: u32) -> Vec<u32> {
-    super::lookups::check("groups_of");
+    crate::lock::check_lookup("groups_of");
     match nix::unistd::User::from_uid(nix::unistd::Uid::from_raw(uid)) {
         Ok(Some(user)) => groups_of_user(user),
         _ => Vec::new(),
@@ -91,7 +27,7 @@ pub fn groups_of(uid: u32) -> Vec<u32> {
 
 /// The groups of the user named `name` (none when there is no such user).
 fn groups_of_name(name: &str) -> Vec<u32> {
-    super::lookups::check("groups_of_name");
+    crate::lock::check_lookup("groups_of_name");
     match nix::unistd::User::from_name(name) {
         Ok(Some(user)) => groups_of_user(user),
         _ => Vec::new(),
@@ -149,46 +85,7 @@ pub fn limits_for(config: &Config, uid: u32, gids: &[u32]) -> Limits {
             }
         })
         .collect();
-    Limits { user, uid, limits }
-}
-
-fn describe(kind: QuotaKind) -> &'static str {
-    match kind {
-        QuotaKind::Sessions => "open sessions",
-        QuotaKind::Regions => "regions",
-        QuotaKind::RegisteredBytes => "registered bytes",
-        QuotaKind::Keys => "access keys",
-        QuotaKind::Qps => "queue pairs",
-        QuotaKind::Exports => "exports (memory windows)",
-    }
-}
-
-/// Fails unless `requested` more of `kind` fit in `limits` on top of `usage`.
-pub fn check(
-    limits: &Limits,
-    usage: &Usage,
-    kind: QuotaKind,
-    requested: u64,
-) -> Result<(), QuotaError> {
-    let limit = limits.get(kind);
-    let used = usage.get(kind);
-    if used
-        .checked_add(requested)
-        .is_some_and(|total| total <= limit.value)
-    {
-        return Ok(());
-    }
-    Err(QuotaError {
-        kind,
-        what: describe(kind),
-        user: limits.user.clone(),
-        uid: limits.uid,
-        used,
-        requested,
-        limit: limit.value,
-        set_by: limit.source.clone(),
-        key: kind.key(),
-    })
+    Limits::new(user, uid, limits)
 }
 
 /// What a quota draws on: a pool's capacity in bytes, or a device's memory windows.
@@ -294,6 +191,20 @@ fn pools_for<'p>(scope: &Scope<'_>, pools: &'p [PoolConfig]) -> Vec<&'p PoolConf
                         .any(|u| super::in_group(name, &groups_of_name(u)))
             })
             .collect(),
+    }
+}
+
+/// Logs one warning per quota of `config` under which one user could take a whole pool
+/// `engine` serves, or every memory window of one of its devices (at start and after every
+/// reload).
+pub fn warn_of_oversized(config: &Config, engine: &crate::engine::Engine) {
+    let (pools, windows) = engine.capacities();
+    let devices: Vec<Capacity> = windows
+        .into_iter()
+        .map(|(name, amount)| Capacity { name, amount })
+        .collect();
+    for q in oversized(config, &pools, &devices) {
+        tracing::warn!(table = %q.table, key = q.kind.key(), "{q}");
     }
 }
 
@@ -529,22 +440,5 @@ mod tests {
             found,
             vec![("quota.group.root".to_owned(), vec!["rootonly".to_owned()])]
         );
-    }
-
-    #[test]
-    fn refusal_names_limit_use_and_key() {
-        let c = config("[quota.default]\nregions = 2\n");
-        let limits = limits_for(&c, 65534, &[]);
-        let mut usage = Usage::default();
-        usage.add(QuotaKind::Regions, 2);
-        let err = check(&limits, &usage, QuotaKind::Regions, 1).unwrap_err();
-        assert_eq!(
-            err.to_string(),
-            "quota exceeded: regions of user nobody (uid 65534): 2 in use, 1 more requested, \
-             limit 2 (set by quota.default.regions); raise quota.user.nobody.regions to allow more"
-        );
-        usage.sub(QuotaKind::Regions, 1);
-        check(&limits, &usage, QuotaKind::Regions, 1).unwrap();
-        assert!(check(&limits, &usage, QuotaKind::Regions, u64::MAX).is_err());
     }
 }

@@ -24,7 +24,7 @@ use std::error::Error;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use rdmad::engine::pool::REGION_ACCESS;
+use rdmad::engine::REGION_ACCESS;
 use rdmad::memory::SharedMemory;
 use rdmad::provider::{loopback, verbs, Device, ProtectionDomain};
 use rdmad_client::names::pool_path;

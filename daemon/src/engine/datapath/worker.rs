@@ -651,8 +651,7 @@ mod tests {
     use super::*;
     use crate::config::{Config, ProviderChoice};
     use crate::engine::qp::QpOptions;
-    use crate::engine::Engine;
-    use crate::policy::Caller;
+    use crate::engine::{Engine, Limits, Owner};
 
     fn ring_of(q: &QueuePairRecord) -> QueuePairRing {
         QueuePairRing::new(
@@ -681,16 +680,18 @@ mod tests {
             Some(ProviderChoice::Loopback),
         )
         .unwrap();
-        let alice = Caller {
-            bus_name: ":1.1".into(),
+        let alice = Owner {
             uid: 1000,
-            gids: vec![],
+            connection: ":1.1".into(),
             pid: None,
         };
-        let s = engine.registry.open_session(&config, &alice).unwrap();
-        let (_, q) = engine
-            .create_qp(&alice, s, "loopback0", QpOptions::default())
-            .unwrap();
+        let limits = Limits::unlimited(1000);
+        let s = engine.open_session(&alice, &limits).unwrap();
+        let id = engine
+            .create_qp(&alice, &limits, s, "loopback0", QpOptions::default())
+            .unwrap()
+            .id;
+        let q = engine.registry.own_qp(&alice, id).unwrap();
         (engine, q)
     }
 

@@ -17,15 +17,14 @@ use std::os::fd::OwnedFd;
 use std::sync::{Arc, Mutex};
 use std::time::SystemTime;
 
-use super::pool::{Pool, PoolError};
+use super::pool::Pool;
 use super::qp::{self, Export, ExportId, QpId, QpOptions, QueuePairRecord};
+use super::tenancy::{self, Limits, Owner, PoolAccess, Scope, Usage};
+use super::token::{self, KeyDigest};
 use super::DeviceEntry;
 use super::EngineError;
-use crate::config::{Config, QuotaKind};
+use crate::config::QuotaKind;
 use crate::lock::lock;
-use crate::policy::keys::{self, KeyDigest};
-use crate::policy::quota::{self, Usage};
-use crate::policy::{self, lookups, Caller};
 use crate::provider::MemoryRegion;
 
 pub type SessionId = u64;
@@ -58,7 +57,7 @@ impl AttachMode {
 
 #[derive(Debug)]
 struct Session {
-    owner: Caller,
+    owner: Owner,
     created: SystemTime,
     regions: BTreeSet<RegionId>,
     attachments: BTreeMap<RegionId, AttachMode>,
@@ -137,8 +136,16 @@ type Window = Arc<dyn crate::provider::MemoryWindow>;
 #[derive(Debug)]
 pub struct TakenWindow {
     pub window: Window,
-    pub bound_through: Arc<QueuePairRecord>,
-    pub over: Arc<dyn MemoryRegion>,
+    #[cfg_attr(
+        not(test),
+        expect(dead_code, reason = "held only to be dropped after the window")
+    )]
+    bound_through: Arc<QueuePairRecord>,
+    #[cfg_attr(
+        not(test),
+        expect(dead_code, reason = "held only to be dropped after the window")
+    )]
+    over: Arc<dyn MemoryRegion>,
 }
 
 impl TakenWindow {
@@ -225,11 +232,11 @@ impl std::fmt::Debug for Registry {
 
 /// The registry's state, locked. While it is held, user and group lookups (NSS, which may
 /// block on a directory server) are a bug, checked in debug builds: see
-/// [`crate::policy::lookups`].
+/// [`crate::lock::check_lookup`].
 struct Locked<'a> {
     // Field order is drop order: the lock is released, then lookups are allowed again.
     state: std::sync::MutexGuard<'a, State>,
-    _no_lookups: lookups::Forbidden,
+    _no_lookups: crate::lock::Forbidden,
 }
 
 impl std::ops::Deref for Locked<'_> {
@@ -249,7 +256,7 @@ impl Registry {
     fn lock(&self) -> Locked<'_> {
         Locked {
             state: lock(&self.state),
-            _no_lookups: lookups::forbid(),
+            _no_lookups: crate::lock::forbid_lookups(),
         }
     }
 
@@ -328,23 +335,22 @@ impl Registry {
         }
     }
 
-    /// Checks `amount` more of `kind` against `caller`'s limits and reserves them, in one
-    /// step under the lock; [`Registry::unreserve`] gives them back if the creation fails.
+    /// Checks `amount` more of `kind` against `limits` (those of the user they name) and
+    /// reserves them, in one step under the lock; [`Registry::unreserve`] gives them back if
+    /// the creation fails.
     pub fn reserve(
         &self,
-        config: &Config,
-        caller: &Caller,
+        limits: &Limits,
         kind: QuotaKind,
         amount: u64,
     ) -> Result<(), EngineError> {
-        let limits = quota::limits_for(config, caller.uid, &caller.gids);
         let mut s = self.lock();
-        let usage = s.usage.entry(caller.uid).or_default();
-        let checked = quota::check(&limits, usage, kind, amount);
+        let usage = s.usage.entry(limits.uid).or_default();
+        let checked = tenancy::check(limits, usage, kind, amount);
         if checked.is_ok() {
             usage.add(kind, amount);
         }
-        Self::forget_idle_user(&mut s, caller.uid);
+        Self::forget_idle_user(&mut s, limits.uid);
         checked.map_err(EngineError::from)
     }
 
@@ -357,18 +363,5 @@ impl Registry {
             }
         }
         Self::forget_idle_user(&mut s, uid);
-    }
-}
-
-impl From<PoolError> for EngineError {
-    fn from(e: PoolError) -> Self {
-        match e {
-            PoolError::Exhausted { .. } => EngineError::PoolExhausted(e.to_string()),
-            PoolError::TooLarge { .. } | PoolError::Empty => {
-                EngineError::InvalidArgument(e.to_string())
-            }
-            PoolError::Memory { .. } => EngineError::Io(e.to_string()),
-            PoolError::Provider(p) => EngineError::Provider(p),
-        }
     }
 }

@@ -5,26 +5,25 @@ use std::sync::Arc;
 use super::*;
 
 impl Registry {
-    /// Creates a queue pair for `session` on `entry`'s device, within the `qps` quota.
+    /// Creates a queue pair for `session` (`owner`'s) on `entry`'s device, within the `qps`
+    /// limit of `limits`.
     pub fn create_qp(
         &self,
-        config: &Config,
-        caller: &Caller,
+        owner: &Owner,
+        limits: &Limits,
         session: SessionId,
         entry: &DeviceEntry,
         options: QpOptions,
     ) -> Result<(QpId, Arc<QueuePairRecord>), EngineError> {
-        let limits = quota::limits_for(config, caller.uid, &caller.gids);
         {
             let mut s = self.lock();
-            Self::own_session(&mut s, caller, session)?;
-            let usage = s.usage.entry(caller.uid).or_default();
-            quota::check(&limits, usage, QuotaKind::Qps, 1)?;
+            Self::own_session(&mut s, owner, session)?;
+            let usage = s.usage.entry(owner.uid).or_default();
+            tenancy::check(limits, usage, QuotaKind::Qps, 1)?;
             usage.add(QuotaKind::Qps, 1);
         }
-        let unreserve =
-            |registry: &Registry| registry.unreserve(caller.uid, &[(QuotaKind::Qps, 1)]);
-        let record = match qp::create(entry, session, caller.uid, options) {
+        let unreserve = |registry: &Registry| registry.unreserve(owner.uid, &[(QuotaKind::Qps, 1)]);
+        let record = match qp::create(entry, session, owner.uid, options) {
             Ok(r) => Arc::new(r),
             Err(e) => {
                 unreserve(self);
@@ -32,7 +31,7 @@ impl Registry {
             }
         };
         let mut s = self.lock();
-        if Self::own_session(&mut s, caller, session).is_err() {
+        if Self::own_session(&mut s, owner, session).is_err() {
             drop(s);
             unreserve(self);
             return Err(EngineError::NoSuchObject(format!(
@@ -50,18 +49,18 @@ impl Registry {
         Ok((id, record))
     }
 
-    /// A queue pair, if the caller's connection owns it.
-    pub fn own_qp(&self, caller: &Caller, id: QpId) -> Result<Arc<QueuePairRecord>, EngineError> {
+    /// A queue pair, if `owner`'s connection owns it.
+    pub fn own_qp(&self, owner: &Owner, id: QpId) -> Result<Arc<QueuePairRecord>, EngineError> {
         let s = self.lock();
         let record = s
             .qps
             .get(&id)
             .ok_or(EngineError::NoSuchObject(format!("queue pair {id}")))?;
-        let owner = s
+        let holder = s
             .sessions
             .get(&record.session)
-            .map(|x| x.owner.bus_name.as_str());
-        if owner != Some(caller.bus_name.as_str()) {
+            .map(|x| x.owner.connection.as_str());
+        if holder != Some(owner.connection.as_str()) {
             return Err(not_authorized(format!(
                 "queue pair {id} belongs to another session; only its owner may use it"
             )));
@@ -70,8 +69,8 @@ impl Registry {
     }
 
     /// Destroys a queue pair (its owner only); its windows go first.
-    pub fn destroy_qp(&self, caller: &Caller, id: QpId) -> Result<(), EngineError> {
-        self.own_qp(caller, id)?;
+    pub fn destroy_qp(&self, owner: &Owner, id: QpId) -> Result<(), EngineError> {
+        self.own_qp(owner, id)?;
         let mut s = self.lock();
         let Some(record) = s.qps.remove(&id) else {
             return Err(EngineError::NoSuchObject(format!("queue pair {id}")));
@@ -125,17 +124,17 @@ impl Registry {
         Ok(export)
     }
 
-    /// Removes an export of a region the caller owns; returns its QP's id and its window
+    /// Removes an export of a region `owner`'s connection owns; returns its QP's id and its window
     /// with what must outlive it (the caller invalidates the window, then drops it all: the
     /// QP may have been destroyed, and the region freed, meanwhile).
     pub fn remove_export(
         &self,
-        caller: &Caller,
+        owner: &Owner,
         id: RegionId,
         export: ExportId,
     ) -> Result<(QpId, TakenWindow), EngineError> {
         let mut s = self.lock();
-        Self::own_region(&s, caller, id)?;
+        Self::own_region(&s, owner, id)?;
         let (qp, _) = *s.regions[&id]
             .exports
             .iter()

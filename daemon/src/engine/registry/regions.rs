@@ -44,30 +44,31 @@ impl Registry {
         Some(garbage)
     }
 
-    /// Allocates a region of `size` bytes from `pool` into `session`.
+    /// Allocates a region of `size` bytes from `pool` into `session` (`owner`'s), within
+    /// `limits` and if `pools` admits `pool`.
     pub fn allocate(
         &self,
-        config: &Config,
-        caller: &Caller,
+        owner: &Owner,
+        limits: &Limits,
+        pools: &PoolAccess,
         session: SessionId,
         pool: &Arc<Pool>,
         size: u64,
     ) -> Result<Handout, EngineError> {
-        check_pool_access(pool, caller)?;
+        check_pool_access(pool, pools)?;
         let rounded = pool.round(size)?;
-        let limits = quota::limits_for(config, caller.uid, &caller.gids);
         {
             let mut s = self.lock();
-            Self::own_session(&mut s, caller, session)?;
-            let usage = s.usage.entry(caller.uid).or_default();
-            quota::check(&limits, usage, QuotaKind::Regions, 1)?;
-            quota::check(&limits, usage, QuotaKind::RegisteredBytes, rounded)?;
+            Self::own_session(&mut s, owner, session)?;
+            let usage = s.usage.entry(owner.uid).or_default();
+            tenancy::check(limits, usage, QuotaKind::Regions, 1)?;
+            tenancy::check(limits, usage, QuotaKind::RegisteredBytes, rounded)?;
             usage.add(QuotaKind::Regions, 1);
             usage.add(QuotaKind::RegisteredBytes, rounded);
         }
         let unreserve = |registry: &Registry| {
             registry.unreserve(
-                caller.uid,
+                owner.uid,
                 &[
                     (QuotaKind::Regions, 1),
                     (QuotaKind::RegisteredBytes, rounded),
@@ -81,6 +82,12 @@ impl Registry {
                 return Err(e.into());
             }
         };
+        tracing::debug!(
+            size = rounded,
+            warm = allocation.warm,
+            pool = pool.name(),
+            "registration taken from the pool"
+        );
         let mr = allocation.mr;
         let fd = match mr.memory().fd().try_clone_to_owned() {
             Ok(fd) => fd,
@@ -94,7 +101,7 @@ impl Registry {
         };
         let mut s = self.lock();
         // The session may have been closed while the region was being made.
-        if Self::own_session(&mut s, caller, session).is_err() {
+        if Self::own_session(&mut s, owner, session).is_err() {
             drop(s);
             unreserve(self);
             pool.release(rounded);
@@ -113,7 +120,7 @@ impl Registry {
             id,
             Region {
                 session,
-                owner_uid: caller.uid,
+                owner_uid: owner.uid,
                 pool: Arc::clone(pool),
                 requested: size,
                 mr,
@@ -130,21 +137,21 @@ impl Registry {
         })
     }
 
-    /// The region, if `caller`'s connection owns it (through its session).
+    /// The region, if `owner`'s connection owns it (through its session).
     pub(super) fn own_region<'a>(
         s: &'a State,
-        caller: &Caller,
+        owner: &Owner,
         id: RegionId,
     ) -> Result<&'a Region, EngineError> {
         let region = s
             .regions
             .get(&id)
             .ok_or(EngineError::NoSuchObject(format!("region {id}")))?;
-        let owner = s
+        let holder = s
             .sessions
             .get(&region.session)
-            .map(|x| x.owner.bus_name.as_str());
-        if owner != Some(caller.bus_name.as_str()) {
+            .map(|x| x.owner.connection.as_str());
+        if holder != Some(owner.connection.as_str()) {
             return Err(not_authorized(format!(
                 "region {id} belongs to another session; only its owner may do this"
             )));
@@ -154,9 +161,9 @@ impl Registry {
 
     /// Frees a region: its keys die, its attachments end, its registration is dropped and
     /// its memory is never handed out again.
-    pub fn free(&self, caller: &Caller, id: RegionId) -> Result<(), EngineError> {
+    pub fn free(&self, owner: &Owner, id: RegionId) -> Result<(), EngineError> {
         let mut s = self.lock();
-        Self::own_region(&s, caller, id)?;
+        Self::own_region(&s, owner, id)?;
         let garbage = Self::remove_region(&mut s, id);
         drop(s);
         if let Some(g) = garbage {
@@ -165,45 +172,28 @@ impl Registry {
         Ok(())
     }
 
-    /// The registration of a region the caller's connection owns, and its device.
+    /// The registration of a region `owner`'s connection owns, and its device.
     pub fn own_region_mr(
         &self,
-        caller: &Caller,
+        owner: &Owner,
         id: RegionId,
     ) -> Result<(Arc<dyn MemoryRegion>, String), EngineError> {
         let s = self.lock();
-        let r = Self::own_region(&s, caller, id)?;
+        let r = Self::own_region(&s, owner, id)?;
         Ok((Arc::clone(&r.mr), r.pool.device.clone()))
     }
 
-    /// The region's registration, for the data path (same visibility as `region`).
+    /// The region's registration.
+    #[cfg(test)]
     pub fn region_mr(&self, id: RegionId) -> Option<Arc<dyn MemoryRegion>> {
         self.lock().regions.get(&id).map(|r| Arc::clone(&r.mr))
     }
 }
 
-/// Pool ACL: everyone when the pool lists no users and no groups.
-pub(super) fn check_pool_access(pool: &Pool, caller: &Caller) -> Result<(), EngineError> {
-    let c = &pool.config;
-    if c.open_to_everyone() {
-        return Ok(());
+/// Refuses a pool `pools` does not admit, with the policy's reason.
+pub(super) fn check_pool_access(pool: &Pool, pools: &PoolAccess) -> Result<(), EngineError> {
+    match pools.refusal(pool.name()) {
+        None => Ok(()),
+        Some(reason) => Err(not_authorized(reason)),
     }
-    let user = quota::user_name(caller.uid);
-    if policy::pool_admits(c, &user, &caller.gids) {
-        return Ok(());
-    }
-    Err(not_authorized(format!(
-        "user {user} may not use pool {:?} (allowed users: {}; groups: {})",
-        pool.name(),
-        if c.users.is_empty() {
-            "none".into()
-        } else {
-            c.users.join(", ")
-        },
-        if c.groups.is_empty() {
-            "none".into()
-        } else {
-            c.groups.join(", ")
-        },
-    )))
 }

@@ -6,18 +6,18 @@ use std::time::SystemTime;
 use super::*;
 
 impl Registry {
-    pub fn open_session(&self, config: &Config, caller: &Caller) -> Result<SessionId, EngineError> {
-        let limits = quota::limits_for(config, caller.uid, &caller.gids);
+    /// Opens a session for `owner`, within `limits` (its user's).
+    pub fn open_session(&self, owner: &Owner, limits: &Limits) -> Result<SessionId, EngineError> {
         let mut s = self.lock();
-        let usage = s.usage.entry(caller.uid).or_default();
-        quota::check(&limits, usage, QuotaKind::Sessions, 1)?;
+        let usage = s.usage.entry(owner.uid).or_default();
+        tenancy::check(limits, usage, QuotaKind::Sessions, 1)?;
         usage.add(QuotaKind::Sessions, 1);
         s.last_session += 1;
         let id = s.last_session;
         s.sessions.insert(
             id,
             Session {
-                owner: caller.clone(),
+                owner: owner.clone(),
                 created: SystemTime::now(),
                 regions: BTreeSet::new(),
                 attachments: BTreeMap::new(),
@@ -27,21 +27,20 @@ impl Registry {
         Ok(id)
     }
 
-    /// Closes a session: the owner connection, another process of the same user, or an
-    /// administrator may.
+    /// Closes a session: the owner connection, another process of the same user, or one
+    /// whose scope is everyone's may.
     pub fn close_session(
         &self,
-        config: &Config,
-        caller: &Caller,
+        owner: &Owner,
+        scope: Scope,
         id: SessionId,
     ) -> Result<Removed, EngineError> {
-        let admin = policy::is_admin(caller, config);
         let mut s = self.lock();
         let session = s
             .sessions
             .get(&id)
             .ok_or(EngineError::NoSuchObject(format!("session {id}")))?;
-        if session.owner.uid != caller.uid && !admin {
+        if session.owner.uid != owner.uid && scope != Scope::All {
             return Err(not_authorized(format!(
                 "session {id} belongs to another user; only its owner or an administrator may close it"
             )));
@@ -52,8 +51,8 @@ impl Registry {
     }
 
     /// Closes every session of a bus connection that left the bus.
-    pub fn close_sessions_of(&self, bus_name: &str) -> Removed {
-        self.close_where(|session| session.owner.bus_name == bus_name)
+    pub fn close_sessions_of(&self, connection: &str) -> Removed {
+        self.close_where(|session| session.owner.connection == connection)
     }
 
     /// Closes everything (shutdown).
@@ -115,17 +114,17 @@ impl Registry {
         (removed, garbage)
     }
 
-    /// The session, if `caller`'s connection owns it.
+    /// The session, if `owner`'s connection owns it.
     pub(super) fn own_session<'a>(
         s: &'a mut State,
-        caller: &Caller,
+        owner: &Owner,
         id: SessionId,
     ) -> Result<&'a mut Session, EngineError> {
         let session = s
             .sessions
             .get_mut(&id)
             .ok_or(EngineError::NoSuchObject(format!("session {id}")))?;
-        if session.owner.bus_name != caller.bus_name {
+        if session.owner.connection != owner.connection {
             return Err(not_authorized(format!(
                 "session {id} belongs to another connection; use the session you opened"
             )));

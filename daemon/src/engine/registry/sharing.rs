@@ -1,25 +1,23 @@
 //! Access keys: sharing a region, revoking, attaching and detaching.
 
 use std::os::fd::{AsFd, OwnedFd};
-use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
 use super::regions::check_pool_access;
 use super::*;
 
 impl Registry {
-    /// Creates an access key for a region the caller owns.
+    /// Creates an access key for a region `owner`'s connection owns, within `limits`.
     pub fn share(
         &self,
-        config: &Config,
-        caller: &Caller,
+        owner: &Owner,
+        limits: &Limits,
         id: RegionId,
         access: AttachMode,
         lifetime: Option<Duration>,
     ) -> Result<(String, KeyId), EngineError> {
-        let limits = quota::limits_for(config, caller.uid, &caller.gids);
         let (token, digest) =
-            keys::new_token().map_err(|e| EngineError::Io(format!("no random numbers: {e}")))?;
+            token::new_token().map_err(|e| EngineError::Io(format!("no random numbers: {e}")))?;
         let expires = match lifetime {
             Some(d) => Some(SystemTime::now().checked_add(d).ok_or_else(|| {
                 EngineError::InvalidArgument(format!("expiry {d:?} is too far away"))
@@ -27,10 +25,10 @@ impl Registry {
             None => None,
         };
         let mut s = self.lock();
-        Self::own_region(&s, caller, id)?;
+        Self::own_region(&s, owner, id)?;
         Self::purge_expired(&mut s);
-        let usage = s.usage.entry(caller.uid).or_default();
-        quota::check(&limits, usage, QuotaKind::Keys, 1)?;
+        let usage = s.usage.entry(owner.uid).or_default();
+        tenancy::check(limits, usage, QuotaKind::Keys, 1)?;
         usage.add(QuotaKind::Keys, 1);
         s.last_key += 1;
         let key_id = s.last_key;
@@ -41,7 +39,7 @@ impl Registry {
                 digest,
                 access,
                 expires,
-                owner_uid: caller.uid,
+                owner_uid: owner.uid,
             },
         );
         s.regions
@@ -52,17 +50,17 @@ impl Registry {
         Ok((token, key_id))
     }
 
-    /// Revokes a key: its region's owner or an administrator may. Live attachments stay.
-    pub fn revoke(&self, config: &Config, caller: &Caller, key: KeyId) -> Result<(), EngineError> {
-        let admin = policy::is_admin(caller, config);
+    /// Revokes a key: its region's owner, or anyone whose scope is everyone's, may. Live
+    /// attachments stay.
+    pub fn revoke(&self, owner: &Owner, scope: Scope, key: KeyId) -> Result<(), EngineError> {
         let mut s = self.lock();
         let k = s
             .keys
             .get(&key)
             .ok_or(EngineError::NoSuchObject(format!("key {key}")))?;
         let region = k.region;
-        if !admin {
-            Self::own_region(&s, caller, region)?;
+        if scope != Scope::All {
+            Self::own_region(&s, owner, region)?;
         }
         Self::remove_key(&mut s, key);
         Ok(())
@@ -93,32 +91,26 @@ impl Registry {
         }
     }
 
-    /// Attaches the region `token` grants to `session`.
+    /// Attaches the region `token` grants to `session` (`owner`'s), if `pools` admits the
+    /// region's pool.
     pub fn attach(
         &self,
-        caller: &Caller,
+        owner: &Owner,
+        pools: &PoolAccess,
         session: SessionId,
         token: &str,
     ) -> Result<Handout, EngineError> {
-        if !keys::well_formed(token) {
+        if !token::well_formed(token) {
             return Err(EngineError::InvalidArgument(format!(
                 "not an access key: keys look like {}<64 hex digits>, as Region.Share returns them",
-                keys::TOKEN_PREFIX
+                token::TOKEN_PREFIX
             )));
         }
         let digest = KeyDigest::of(token);
-        // The pool's access list may need the caller's user and groups looked up: that is
-        // done with the lock released, and the key looked up again afterwards.
-        let pool = {
-            let mut s = self.lock();
-            let (region, _) = Self::key_grant(&mut s, caller, session, &digest)?;
-            Arc::clone(&s.regions[&region].pool)
-        };
-        check_pool_access(&pool, caller)?;
         let mut s = self.lock();
-        let (region_id, access) = Self::key_grant(&mut s, caller, session, &digest)?;
-        // A key always grants the same region, so the pool checked above is this one's.
+        let (region_id, access) = Self::key_grant(&mut s, owner, session, &digest)?;
         let region = &s.regions[&region_id];
+        check_pool_access(&region.pool, pools)?;
         if region.session == session {
             return Err(EngineError::InvalidArgument(format!(
                 "region {region_id} belongs to this session already"
@@ -153,15 +145,15 @@ impl Registry {
         })
     }
 
-    /// The region and access a token's digest grants to `session` (the caller's own), with
+    /// The region and access a token's digest grants to `session` (`owner`'s), with
     /// expired keys purged first.
     pub(super) fn key_grant(
         s: &mut State,
-        caller: &Caller,
+        owner: &Owner,
         session: SessionId,
         digest: &KeyDigest,
     ) -> Result<(RegionId, AttachMode), EngineError> {
-        Self::own_session(s, caller, session)?;
+        Self::own_session(s, owner, session)?;
         Self::purge_expired(s);
         let invalid = || {
             not_authorized(
@@ -180,8 +172,8 @@ impl Registry {
         Ok((region, access))
     }
 
-    /// Ends the caller's attachment of a region.
-    pub fn detach(&self, caller: &Caller, id: RegionId) -> Result<(), EngineError> {
+    /// Ends the attachment of a region to a session of `owner`'s connection.
+    pub fn detach(&self, owner: &Owner, id: RegionId) -> Result<(), EngineError> {
         let mut s = self.lock();
         let region = s
             .regions
@@ -194,7 +186,7 @@ impl Registry {
             .find(|sid| {
                 s.sessions
                     .get(sid)
-                    .is_some_and(|x| x.owner.bus_name == caller.bus_name)
+                    .is_some_and(|x| x.owner.connection == owner.connection)
             })
             .ok_or_else(|| {
                 not_authorized(format!("region {id} is not attached to your session"))

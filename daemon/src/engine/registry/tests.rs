@@ -1,6 +1,7 @@
 use super::*;
-use crate::config::ProviderChoice;
-use crate::engine::Engine;
+use crate::config::{Config, ProviderChoice};
+use crate::engine::{Engine, ExportHandout, RemoteRights};
+use crate::policy::Caller;
 use nix::sys::uio::{pread, pwrite};
 use std::path::PathBuf;
 use std::time::Duration;
@@ -39,6 +40,31 @@ fn engine_on(provider: ProviderChoice, text: &str) -> (Engine, Config) {
     (engine, config)
 }
 
+/// What the policy layer makes of `who` under `config`: its limits, scope and pool access.
+fn limits(config: &Config, who: &Caller) -> Limits {
+    crate::policy::limits(who, config)
+}
+
+fn scope(config: &Config, who: &Caller) -> Scope {
+    crate::policy::scope(who, config)
+}
+
+fn pools(engine: &Engine, who: &Caller) -> PoolAccess {
+    crate::policy::pool_access(who, &engine.pool_configs())
+}
+
+const REMOTE_WRITE: RemoteRights = RemoteRights {
+    read: false,
+    write: true,
+    atomic: false,
+};
+const REMOTE_READ: RemoteRights = RemoteRights {
+    read: true,
+    write: false,
+    atomic: false,
+};
+
+/// A bus caller as the policy layer gets it (the engine itself never sees one).
 fn caller(uid: u32, bus: &str) -> Caller {
     Caller {
         bus_name: bus.to_owned(),
@@ -61,13 +87,29 @@ fn a_closing_session_counts_until_its_objects_are_released() {
     let baseline = device.object_counts();
     for round in 0..100 {
         let alice = caller(1000, ":1.1");
-        let s = engine.registry.open_session(&config, &alice).unwrap();
+        let s = engine
+            .registry
+            .open_session(&alice.owner(), &limits(&config, &alice))
+            .unwrap();
         engine
-            .create_qp(&alice, s, "loopback0", QpOptions::default())
+            .create_qp(
+                &alice.owner(),
+                &limits(&config, &alice),
+                s,
+                "loopback0",
+                QpOptions::default(),
+            )
             .unwrap();
         engine
             .registry
-            .allocate(&config, &alice, s, &pool, 4096)
+            .allocate(
+                &alice.owner(),
+                &limits(&config, &alice),
+                &pools(&engine, &alice),
+                s,
+                &pool,
+                4096,
+            )
             .unwrap();
         let closer = {
             let engine = Arc::clone(&engine);
@@ -102,29 +144,60 @@ fn user_and_group_lookups_never_run_under_the_registry_lock() {
         gids: vec![0],
         ..caller(1002, ":1.3")
     };
-    let owner = engine.registry.open_session(&config, &root).unwrap();
+    let owner = engine
+        .registry
+        .open_session(&root.owner(), &limits(&config, &root))
+        .unwrap();
     let region = engine
         .registry
-        .allocate(&config, &root, owner, &pool, 4096)
+        .allocate(
+            &root.owner(),
+            &limits(&config, &root),
+            &pools(&engine, &root),
+            owner,
+            &pool,
+            4096,
+        )
         .unwrap()
         .region;
     let (token, key) = engine
         .registry
-        .share(&config, &root, region, AttachMode::ReadOnly, None)
+        .share(
+            &root.owner(),
+            &limits(&config, &root),
+            region,
+            AttachMode::ReadOnly,
+            None,
+        )
         .unwrap();
-    let attacher = engine.registry.open_session(&config, &carol).unwrap();
-    let handout = engine.registry.attach(&carol, attacher, &token).unwrap();
+    let attacher = engine
+        .registry
+        .open_session(&carol.owner(), &limits(&config, &carol))
+        .unwrap();
+    let handout = engine
+        .registry
+        .attach(&carol.owner(), &pools(&engine, &carol), attacher, &token)
+        .unwrap();
     assert_eq!(handout.region, region, "the pool's group lets carol attach");
     assert_eq!(
-        engine.registry.session(&config, &carol, owner).unwrap().uid,
+        engine
+            .registry
+            .session(&carol.owner(), scope(&config, &carol), owner)
+            .unwrap()
+            .uid,
         0,
         "an administrator reads another user's session"
     );
-    engine.registry.quota(&config, &carol, 0).unwrap();
-    engine.registry.revoke(&config, &carol, key).unwrap();
+    engine
+        .registry
+        .quota(&crate::policy::limits_of(&carol, &config, 0).unwrap());
+    engine
+        .registry
+        .revoke(&carol.owner(), scope(&config, &carol), key)
+        .unwrap();
     let removed = engine
         .registry
-        .close_session(&config, &carol, owner)
+        .close_session(&carol.owner(), scope(&config, &carol), owner)
         .unwrap();
     assert_eq!(removed.regions, vec![region]);
 }
@@ -136,19 +209,25 @@ fn connected_pair(engine: &Engine, owner: &Caller, session: SessionId) -> [QpId;
     let device = &engine.devices()[0].device;
     let qps = [0, 1].map(|_| {
         engine
-            .create_qp(owner, session, "loopback0", QpOptions::default())
+            .create_qp(
+                &owner.owner(),
+                &limits(&engine.config(), owner),
+                session,
+                "loopback0",
+                QpOptions::default(),
+            )
             .unwrap()
-            .0
+            .id
     });
     for (me, peer) in [(qps[0], qps[1]), (qps[1], qps[0])] {
-        let peer = engine.registry.own_qp(owner, peer).unwrap();
+        let peer = engine.registry.own_qp(&owner.owner(), peer).unwrap();
         let remote = RemoteEndpoint {
             gid: peer.local.gid,
             qp_num: peer.local.qp_num,
             psn: peer.local.psn,
             lid: peer.local.lid,
         };
-        let record = engine.registry.own_qp(owner, me).unwrap();
+        let record = engine.registry.own_qp(&owner.owner(), me).unwrap();
         record.connect(device.as_ref(), remote).unwrap();
     }
     qps
@@ -160,7 +239,6 @@ fn connected_pair(engine: &Engine, owner: &Caller, session: SessionId) -> [QpId;
 /// back, and another user's exports are not affected.
 #[test]
 fn exports_are_a_quota_given_back_by_every_release() {
-    use crate::provider::Access;
     let (engine, config) = engine_on(
         ProviderChoice::Loopback,
         &format!("{COLD_POOL}[quota.default]\nexports = 2\n"),
@@ -170,12 +248,22 @@ fn exports_are_a_quota_given_back_by_every_release() {
     let exports = |uid| engine.registry.usage(uid).get(QuotaKind::Exports);
     let alice = caller(1000, ":1.1");
     let bob = caller(1001, ":1.2");
-    let s = engine.registry.open_session(&config, &alice).unwrap();
+    let s = engine
+        .registry
+        .open_session(&alice.owner(), &limits(&config, &alice))
+        .unwrap();
     let qps = connected_pair(&engine, &alice, s);
     let region = || {
         engine
             .registry
-            .allocate(&config, &alice, s, &pool, 4096)
+            .allocate(
+                &alice.owner(),
+                &limits(&config, &alice),
+                &pools(&engine, &alice),
+                s,
+                &pool,
+                4096,
+            )
             .unwrap()
             .region
     };
@@ -183,17 +271,38 @@ fn exports_are_a_quota_given_back_by_every_release() {
     let mws = device.object_counts().mws;
 
     let (first, _, rkey1, _) = engine
-        .export_remote(&alice, r, qps[0], Access::REMOTE_WRITE)
+        .export_remote(
+            &alice.owner(),
+            &limits(&config, &alice),
+            r,
+            qps[0],
+            REMOTE_WRITE,
+        )
+        .map(ExportHandout::parts)
         .unwrap();
     let (second, _, rkey2, _) = engine
-        .export_remote(&alice, r, qps[0], Access::REMOTE_WRITE)
+        .export_remote(
+            &alice.owner(),
+            &limits(&config, &alice),
+            r,
+            qps[0],
+            REMOTE_WRITE,
+        )
+        .map(ExportHandout::parts)
         .unwrap();
     assert_ne!(first, second, "a second export is an export of its own");
     assert_ne!(rkey1, rkey2, "with a window and an rkey of its own");
     assert_eq!(device.object_counts().mws, mws + 2);
     assert_eq!(exports(1000), 2);
     let refused = engine
-        .export_remote(&alice, r, qps[1], Access::REMOTE_READ)
+        .export_remote(
+            &alice.owner(),
+            &limits(&config, &alice),
+            r,
+            qps[1],
+            REMOTE_READ,
+        )
+        .map(ExportHandout::parts)
         .unwrap_err();
     assert!(matches!(refused, EngineError::Quota(_)), "{refused}");
     assert!(
@@ -216,41 +325,79 @@ fn exports_are_a_quota_given_back_by_every_release() {
     );
 
     // Another user exports as before.
-    let sb = engine.registry.open_session(&config, &bob).unwrap();
+    let sb = engine
+        .registry
+        .open_session(&bob.owner(), &limits(&config, &bob))
+        .unwrap();
     let bob_qps = connected_pair(&engine, &bob, sb);
     let rb = engine
         .registry
-        .allocate(&config, &bob, sb, &pool, 4096)
+        .allocate(
+            &bob.owner(),
+            &limits(&config, &bob),
+            &pools(&engine, &bob),
+            sb,
+            &pool,
+            4096,
+        )
         .unwrap()
         .region;
     engine
-        .export_remote(&bob, rb, bob_qps[0], Access::REMOTE_WRITE)
+        .export_remote(
+            &bob.owner(),
+            &limits(&config, &bob),
+            rb,
+            bob_qps[0],
+            REMOTE_WRITE,
+        )
+        .map(ExportHandout::parts)
         .unwrap();
     assert_eq!(exports(1001), 1);
 
     // ReleaseExport gives one back.
-    engine.release_export(&alice, r, first).unwrap();
+    engine.release_export(&alice.owner(), r, first).unwrap();
     assert_eq!(exports(1000), 1);
     // Freeing the region gives back what was exported over it.
     engine
-        .export_remote(&alice, r, qps[1], Access::REMOTE_READ)
+        .export_remote(
+            &alice.owner(),
+            &limits(&config, &alice),
+            r,
+            qps[1],
+            REMOTE_READ,
+        )
+        .map(ExportHandout::parts)
         .unwrap();
     assert_eq!(exports(1000), 2);
-    engine.registry.free(&alice, r).unwrap();
+    engine.registry.free(&alice.owner(), r).unwrap();
     assert_eq!(exports(1000), 0);
     // Destroying the QP gives back what was exported through it; the region stays.
     let r = region();
     let (through_destroyed, ..) = engine
-        .export_remote(&alice, r, qps[0], Access::REMOTE_WRITE)
+        .export_remote(
+            &alice.owner(),
+            &limits(&config, &alice),
+            r,
+            qps[0],
+            REMOTE_WRITE,
+        )
+        .map(ExportHandout::parts)
         .unwrap();
     engine
-        .export_remote(&alice, r, qps[1], Access::REMOTE_WRITE)
+        .export_remote(
+            &alice.owner(),
+            &limits(&config, &alice),
+            r,
+            qps[1],
+            REMOTE_WRITE,
+        )
+        .map(ExportHandout::parts)
         .unwrap();
-    engine.registry.destroy_qp(&alice, qps[0]).unwrap();
+    engine.registry.destroy_qp(&alice.owner(), qps[0]).unwrap();
     assert_eq!(exports(1000), 1);
     assert!(
         matches!(
-            engine.release_export(&alice, r, through_destroyed),
+            engine.release_export(&alice.owner(), r, through_destroyed),
             Err(EngineError::NoSuchObject(_))
         ),
         "an export of a destroyed QP is gone"
@@ -272,12 +419,14 @@ fn exports_are_a_quota_given_back_by_every_release() {
 /// loopback device's warning about it).
 #[test]
 fn windows_taken_out_keep_their_queue_pair_until_dropped() {
-    use crate::provider::Access;
     let (engine, config) = engine_on(ProviderChoice::Loopback, COLD_POOL);
     let pool = Arc::clone(engine.pool("p").unwrap());
     let device = Arc::clone(&engine.devices()[0].device);
     let alice = caller(1000, ":1.1");
-    let s = engine.registry.open_session(&config, &alice).unwrap();
+    let s = engine
+        .registry
+        .open_session(&alice.owner(), &limits(&config, &alice))
+        .unwrap();
     let qps = connected_pair(&engine, &alice, s);
     let qps_alive = || device.object_counts().qps;
     assert_eq!(qps_alive(), 2);
@@ -285,17 +434,31 @@ fn windows_taken_out_keep_their_queue_pair_until_dropped() {
     // ReleaseExport: the window is handed out, the QP destroyed before it is dropped.
     let region = engine
         .registry
-        .allocate(&config, &alice, s, &pool, 4096)
+        .allocate(
+            &alice.owner(),
+            &limits(&config, &alice),
+            &pools(&engine, &alice),
+            s,
+            &pool,
+            4096,
+        )
         .unwrap()
         .region;
     let (export, ..) = engine
-        .export_remote(&alice, region, qps[0], Access::REMOTE_WRITE)
+        .export_remote(
+            &alice.owner(),
+            &limits(&config, &alice),
+            region,
+            qps[0],
+            REMOTE_WRITE,
+        )
+        .map(ExportHandout::parts)
         .unwrap();
     let (_, taken) = engine
         .registry
-        .remove_export(&alice, region, export)
+        .remove_export(&alice.owner(), region, export)
         .unwrap();
-    engine.registry.destroy_qp(&alice, qps[0]).unwrap();
+    engine.registry.destroy_qp(&alice.owner(), qps[0]).unwrap();
     assert_eq!(
         qps_alive(),
         2,
@@ -306,10 +469,17 @@ fn windows_taken_out_keep_their_queue_pair_until_dropped() {
 
     // A freed region: its windows go with the garbage, the QP destroyed meanwhile.
     engine
-        .export_remote(&alice, region, qps[1], Access::REMOTE_READ)
+        .export_remote(
+            &alice.owner(),
+            &limits(&config, &alice),
+            region,
+            qps[1],
+            REMOTE_READ,
+        )
+        .map(ExportHandout::parts)
         .unwrap();
     let garbage = Registry::remove_region(&mut engine.registry.lock(), region).unwrap();
-    engine.registry.destroy_qp(&alice, qps[1]).unwrap();
+    engine.registry.destroy_qp(&alice.owner(), qps[1]).unwrap();
     assert_eq!(
         qps_alive(),
         1,
@@ -429,7 +599,7 @@ impl Peer {
 #[test]
 fn windows_go_before_their_memory_on_every_path() {
     use crate::engine::qp::QpOptions;
-    use crate::provider::{Access, WcStatus};
+    use crate::provider::WcStatus;
     let (engine, config) = engine_on(ProviderChoice::Loopback, COLD_POOL);
     let pool = Arc::clone(engine.pool("p").unwrap());
     let entry = &engine.devices()[0];
@@ -437,25 +607,52 @@ fn windows_go_before_their_memory_on_every_path() {
     let alice = caller(1000, ":1.1");
     let baseline = device.object_counts();
     for path in ["release", "free", "destroy", "close", "close all"] {
-        let s = engine.registry.open_session(&config, &alice).unwrap();
-        let (qp, record) = engine
-            .create_qp(&alice, s, "loopback0", QpOptions::default())
+        let s = engine
+            .registry
+            .open_session(&alice.owner(), &limits(&config, &alice))
             .unwrap();
+        let qp = engine
+            .create_qp(
+                &alice.owner(),
+                &limits(&config, &alice),
+                s,
+                "loopback0",
+                QpOptions::default(),
+            )
+            .unwrap()
+            .id;
+        let record = engine.registry.own_qp(&alice.owner(), qp).unwrap();
         let peer = Peer::connect_to(entry, &record);
         let region = engine
             .registry
-            .allocate(&config, &alice, s, &pool, 4096)
+            .allocate(
+                &alice.owner(),
+                &limits(&config, &alice),
+                &pools(&engine, &alice),
+                s,
+                &pool,
+                4096,
+            )
             .unwrap()
             .region;
         let (export, addr, rkey, _) = engine
-            .export_remote(&alice, region, qp, Access::REMOTE_WRITE)
+            .export_remote(
+                &alice.owner(),
+                &limits(&config, &alice),
+                region,
+                qp,
+                REMOTE_WRITE,
+            )
+            .map(ExportHandout::parts)
             .unwrap();
         assert_eq!(peer.write(addr, rkey), WcStatus::Success, "{path}");
         let with_region = device.object_counts();
         match path {
-            "release" => engine.release_export(&alice, region, export).unwrap(),
-            "free" => engine.registry.free(&alice, region).unwrap(),
-            "destroy" => engine.registry.destroy_qp(&alice, qp).unwrap(),
+            "release" => engine
+                .release_export(&alice.owner(), region, export)
+                .unwrap(),
+            "free" => engine.registry.free(&alice.owner(), region).unwrap(),
+            "destroy" => engine.registry.destroy_qp(&alice.owner(), qp).unwrap(),
             "close" => assert_eq!(engine.registry.close_sessions_of(":1.1").sessions, [s]),
             _ => assert_eq!(engine.registry.close_all().sessions, [s]),
         }
@@ -495,30 +692,55 @@ fn windows_go_before_their_memory_on_every_path() {
 #[test]
 fn a_refused_deregistration_lingers_and_is_retried() {
     use crate::engine::qp::QpOptions;
-    use crate::provider::{Access, ObjectKind, WcStatus};
+    use crate::provider::{ObjectKind, WcStatus};
     let (engine, config) = engine_on(ProviderChoice::Loopback, COLD_POOL);
     let pool = Arc::clone(engine.pool("p").unwrap());
     let entry = &engine.devices()[0];
     let device = Arc::clone(&entry.device);
     let alice = caller(1000, ":1.1");
     let baseline = device.object_counts();
-    let s = engine.registry.open_session(&config, &alice).unwrap();
-    let (qp, record) = engine
-        .create_qp(&alice, s, "loopback0", QpOptions::default())
+    let s = engine
+        .registry
+        .open_session(&alice.owner(), &limits(&config, &alice))
         .unwrap();
+    let qp = engine
+        .create_qp(
+            &alice.owner(),
+            &limits(&config, &alice),
+            s,
+            "loopback0",
+            QpOptions::default(),
+        )
+        .unwrap()
+        .id;
+    let record = engine.registry.own_qp(&alice.owner(), qp).unwrap();
     let peer = Peer::connect_to(entry, &record);
     let region = engine
         .registry
-        .allocate(&config, &alice, s, &pool, 4096)
+        .allocate(
+            &alice.owner(),
+            &limits(&config, &alice),
+            &pools(&engine, &alice),
+            s,
+            &pool,
+            4096,
+        )
         .unwrap()
         .region;
     let (export, addr, rkey, _) = engine
-        .export_remote(&alice, region, qp, Access::REMOTE_WRITE)
+        .export_remote(
+            &alice.owner(),
+            &limits(&config, &alice),
+            region,
+            qp,
+            REMOTE_WRITE,
+        )
+        .map(ExportHandout::parts)
         .unwrap();
     // Keep the window, let go of the registration it is bound over, free the region.
     let (_, taken) = engine
         .registry
-        .remove_export(&alice, region, export)
+        .remove_export(&alice.owner(), region, export)
         .unwrap();
     let TakenWindow {
         window,
@@ -526,7 +748,7 @@ fn a_refused_deregistration_lingers_and_is_retried() {
         over,
     } = taken;
     drop(over);
-    engine.registry.free(&alice, region).unwrap();
+    engine.registry.free(&alice.owner(), region).unwrap();
     let lingering = engine.lingering();
     assert_eq!(lingering.len(), 1, "{lingering:?}");
     let (name, l) = &lingering[0];
@@ -577,11 +799,21 @@ mod bodies {
     pub fn the_client_descriptor_and_the_registration_share_bytes(provider: ProviderChoice) {
         let (engine, config) = engine_on(provider, POOL);
         let alice = caller(1000, ":1.1");
-        let s = engine.registry.open_session(&config, &alice).unwrap();
+        let s = engine
+            .registry
+            .open_session(&alice.owner(), &limits(&config, &alice))
+            .unwrap();
         let pool = Arc::clone(engine.pool("p").unwrap());
         let h = engine
             .registry
-            .allocate(&config, &alice, s, &pool, 100)
+            .allocate(
+                &alice.owner(),
+                &limits(&config, &alice),
+                &pools(&engine, &alice),
+                s,
+                &pool,
+                100,
+            )
             .unwrap();
         assert_eq!(h.size, 4096);
         pwrite(&h.fd, b"from the client", 10).unwrap();
@@ -603,22 +835,42 @@ mod bodies {
         let pool = Arc::clone(engine.pool("p").unwrap());
         let alice = caller(1000, ":1.1");
         let bob = caller(1001, ":1.2");
-        let sa = engine.registry.open_session(&config, &alice).unwrap();
-        let sb = engine.registry.open_session(&config, &bob).unwrap();
+        let sa = engine
+            .registry
+            .open_session(&alice.owner(), &limits(&config, &alice))
+            .unwrap();
+        let sb = engine
+            .registry
+            .open_session(&bob.owner(), &limits(&config, &bob))
+            .unwrap();
         let kept = engine
             .registry
-            .allocate(&config, &alice, sa, &pool, 4096)
+            .allocate(
+                &alice.owner(),
+                &limits(&config, &alice),
+                &pools(&engine, &alice),
+                sa,
+                &pool,
+                4096,
+            )
             .unwrap();
         pwrite(&kept.fd, b"alice's secret", 0).unwrap();
         let kept_inode = nix::sys::stat::fstat(std::os::fd::AsRawFd::as_raw_fd(&kept.fd))
             .unwrap()
             .st_ino;
-        engine.registry.free(&alice, kept.region).unwrap();
+        engine.registry.free(&alice.owner(), kept.region).unwrap();
 
         for _ in 0..20 {
             let h = engine
                 .registry
-                .allocate(&config, &bob, sb, &pool, 4096)
+                .allocate(
+                    &bob.owner(),
+                    &limits(&config, &bob),
+                    &pools(&engine, &bob),
+                    sb,
+                    &pool,
+                    4096,
+                )
                 .unwrap();
             assert_ne!(
                 nix::sys::stat::fstat(std::os::fd::AsRawFd::as_raw_fd(&h.fd))
@@ -635,7 +887,7 @@ mod bodies {
             let mut old = [0xffu8; 14];
             pread(&kept.fd, &mut old, 0).unwrap();
             assert_eq!(old, [0u8; 14], "the kept fd never sees the next owner");
-            engine.registry.free(&bob, h.region).unwrap();
+            engine.registry.free(&bob.owner(), h.region).unwrap();
         }
     }
 
@@ -644,7 +896,10 @@ mod bodies {
             engine_on(provider, &format!("{POOL}[quota.default]\nregions = 10\n"));
         let engine = Arc::new(engine);
         let alice = caller(1000, ":1.1");
-        let s = engine.registry.open_session(&config, &alice).unwrap();
+        let s = engine
+            .registry
+            .open_session(&alice.owner(), &limits(&config, &alice))
+            .unwrap();
         let pool = Arc::clone(engine.pool("p").unwrap());
         let results: Vec<bool> = std::thread::scope(|scope| {
             let handles: Vec<_> = (0..64)
@@ -653,7 +908,14 @@ mod bodies {
                     scope.spawn(move || {
                         engine
                             .registry
-                            .allocate(config, alice, s, pool, 4096)
+                            .allocate(
+                                &alice.owner(),
+                                &limits(config, alice),
+                                &pools(engine, alice),
+                                s,
+                                pool,
+                                4096,
+                            )
                             .is_ok()
                     })
                 })
@@ -664,7 +926,14 @@ mod bodies {
         assert_eq!(engine.registry.usage(1000).get(QuotaKind::Regions), 10);
         let err = engine
             .registry
-            .allocate(&config, &alice, s, &pool, 4096)
+            .allocate(
+                &alice.owner(),
+                &limits(&config, &alice),
+                &pools(&engine, &alice),
+                s,
+                &pool,
+                4096,
+            )
             .unwrap_err();
         assert!(matches!(err, EngineError::Quota(_)), "{err}");
     }
@@ -675,24 +944,53 @@ mod bodies {
         let device = Arc::clone(&engine.devices()[0].device);
         let alice = caller(1000, ":1.1");
         let bob = caller(1001, ":1.2");
-        let sb = engine.registry.open_session(&config, &bob).unwrap();
+        let sb = engine
+            .registry
+            .open_session(&bob.owner(), &limits(&config, &bob))
+            .unwrap();
         let before = (pool.stats().used, engine.registry.counts());
         let mrs_before = device.object_counts().mrs;
 
-        let sa = engine.registry.open_session(&config, &alice).unwrap();
+        let sa = engine
+            .registry
+            .open_session(&alice.owner(), &limits(&config, &alice))
+            .unwrap();
         let a = engine
             .registry
-            .allocate(&config, &alice, sa, &pool, 1 << 20)
+            .allocate(
+                &alice.owner(),
+                &limits(&config, &alice),
+                &pools(&engine, &alice),
+                sa,
+                &pool,
+                1 << 20,
+            )
             .unwrap();
         engine
             .registry
-            .allocate(&config, &alice, sa, &pool, 100)
+            .allocate(
+                &alice.owner(),
+                &limits(&config, &alice),
+                &pools(&engine, &alice),
+                sa,
+                &pool,
+                100,
+            )
             .unwrap();
         let (token, _) = engine
             .registry
-            .share(&config, &alice, a.region, AttachMode::ReadWrite, None)
+            .share(
+                &alice.owner(),
+                &limits(&config, &alice),
+                a.region,
+                AttachMode::ReadWrite,
+                None,
+            )
             .unwrap();
-        engine.registry.attach(&bob, sb, &token).unwrap();
+        engine
+            .registry
+            .attach(&bob.owner(), &pools(&engine, &bob), sb, &token)
+            .unwrap();
 
         let removed = engine.registry.close_sessions_of(":1.1");
         assert_eq!(removed.sessions, vec![sa]);
@@ -701,7 +999,7 @@ mod bodies {
         assert!(engine.registry.usage(1000).is_zero());
         assert!(engine
             .registry
-            .session(&config, &bob, sb)
+            .session(&bob.owner(), scope(&config, &bob), sb)
             .unwrap()
             .attachments
             .is_empty());
@@ -711,7 +1009,10 @@ mod bodies {
             "every region deregistered"
         );
         assert!(
-            engine.registry.attach(&bob, sb, &token).is_err(),
+            engine
+                .registry
+                .attach(&bob.owner(), &pools(&engine, &bob), sb, &token)
+                .is_err(),
             "keys die with the region"
         );
     }
@@ -721,17 +1022,39 @@ mod bodies {
         let pool = Arc::clone(engine.pool("p").unwrap());
         let alice = caller(1000, ":1.1");
         let bob = caller(1001, ":1.2");
-        let sa = engine.registry.open_session(&config, &alice).unwrap();
-        let sb = engine.registry.open_session(&config, &bob).unwrap();
+        let sa = engine
+            .registry
+            .open_session(&alice.owner(), &limits(&config, &alice))
+            .unwrap();
+        let sb = engine
+            .registry
+            .open_session(&bob.owner(), &limits(&config, &bob))
+            .unwrap();
         let a = engine
             .registry
-            .allocate(&config, &alice, sa, &pool, 4096)
+            .allocate(
+                &alice.owner(),
+                &limits(&config, &alice),
+                &pools(&engine, &alice),
+                sa,
+                &pool,
+                4096,
+            )
             .unwrap();
         let (token, key) = engine
             .registry
-            .share(&config, &alice, a.region, AttachMode::ReadOnly, None)
+            .share(
+                &alice.owner(),
+                &limits(&config, &alice),
+                a.region,
+                AttachMode::ReadOnly,
+                None,
+            )
             .unwrap();
-        let h = engine.registry.attach(&bob, sb, &token).unwrap();
+        let h = engine
+            .registry
+            .attach(&bob.owner(), &pools(&engine, &bob), sb, &token)
+            .unwrap();
         assert_eq!(h.access, AttachMode::ReadOnly);
         let flags = nix::fcntl::fcntl(
             std::os::fd::AsRawFd::as_raw_fd(&h.fd),
@@ -746,29 +1069,44 @@ mod bodies {
 
         // Bob cannot share, free or revoke what he only attached.
         assert!(matches!(
+            engine.registry.share(
+                &bob.owner(),
+                &limits(&config, &bob),
+                a.region,
+                AttachMode::ReadWrite,
+                None
+            ),
+            Err(EngineError::NotAuthorized(_))
+        ));
+        assert!(matches!(
+            engine.registry.free(&bob.owner(), a.region),
+            Err(EngineError::NotAuthorized(_))
+        ));
+        assert!(matches!(
             engine
                 .registry
-                .share(&config, &bob, a.region, AttachMode::ReadWrite, None),
-            Err(EngineError::NotAuthorized(_))
-        ));
-        assert!(matches!(
-            engine.registry.free(&bob, a.region),
-            Err(EngineError::NotAuthorized(_))
-        ));
-        assert!(matches!(
-            engine.registry.revoke(&config, &bob, key),
+                .revoke(&bob.owner(), scope(&config, &bob), key),
             Err(EngineError::NotAuthorized(_))
         ));
 
-        engine.registry.revoke(&config, &alice, key).unwrap();
+        engine
+            .registry
+            .revoke(&alice.owner(), scope(&config, &alice), key)
+            .unwrap();
         let carol_session = engine
             .registry
-            .open_session(&config, &caller(1002, ":1.3"))
+            .open_session(
+                &caller(1002, ":1.3").owner(),
+                &limits(&config, &caller(1002, ":1.3")),
+            )
             .unwrap();
         assert!(matches!(
-            engine
-                .registry
-                .attach(&caller(1002, ":1.3"), carol_session, &token),
+            engine.registry.attach(
+                &caller(1002, ":1.3").owner(),
+                &pools(&engine, &caller(1002, ":1.3")),
+                carol_session,
+                &token
+            ),
             Err(EngineError::NotAuthorized(_))
         ));
         let rights = engine.registry.session_rights(sb).unwrap();
@@ -781,7 +1119,7 @@ mod bodies {
         assert_eq!(
             engine
                 .registry
-                .session(&config, &bob, sb)
+                .session(&bob.owner(), scope(&config, &bob), sb)
                 .unwrap()
                 .attachments
                 .len(),
@@ -794,24 +1132,39 @@ mod bodies {
         let pool = Arc::clone(engine.pool("p").unwrap());
         let alice = caller(1000, ":1.1");
         let bob = caller(1001, ":1.2");
-        let sa = engine.registry.open_session(&config, &alice).unwrap();
-        let sb = engine.registry.open_session(&config, &bob).unwrap();
+        let sa = engine
+            .registry
+            .open_session(&alice.owner(), &limits(&config, &alice))
+            .unwrap();
+        let sb = engine
+            .registry
+            .open_session(&bob.owner(), &limits(&config, &bob))
+            .unwrap();
         let a = engine
             .registry
-            .allocate(&config, &alice, sa, &pool, 4096)
+            .allocate(
+                &alice.owner(),
+                &limits(&config, &alice),
+                &pools(&engine, &alice),
+                sa,
+                &pool,
+                4096,
+            )
             .unwrap();
         let (token, _) = engine
             .registry
             .share(
-                &config,
-                &alice,
+                &alice.owner(),
+                &limits(&config, &alice),
                 a.region,
                 AttachMode::ReadWrite,
                 Some(Duration::ZERO),
             )
             .unwrap();
         assert!(matches!(
-            engine.registry.attach(&bob, sb, &token),
+            engine
+                .registry
+                .attach(&bob.owner(), &pools(&engine, &bob), sb, &token),
             Err(EngineError::NotAuthorized(_))
         ));
         assert_eq!(
@@ -827,30 +1180,55 @@ mod bodies {
         let alice = caller(1000, ":1.1");
         let alice_elsewhere = caller(1000, ":1.9");
         let mallory = caller(1666, ":1.6");
-        let s = engine.registry.open_session(&config, &alice).unwrap();
+        let s = engine
+            .registry
+            .open_session(&alice.owner(), &limits(&config, &alice))
+            .unwrap();
         for intruder in [&alice_elsewhere, &mallory] {
             assert!(matches!(
-                engine.registry.allocate(&config, intruder, s, &pool, 4096),
+                engine.registry.allocate(
+                    &intruder.owner(),
+                    &limits(&config, intruder),
+                    &pools(&engine, intruder),
+                    s,
+                    &pool,
+                    4096
+                ),
                 Err(EngineError::NotAuthorized(_))
             ));
         }
         assert!(matches!(
-            engine.registry.close_session(&config, &mallory, s),
+            engine
+                .registry
+                .close_session(&mallory.owner(), scope(&config, &mallory), s),
             Err(EngineError::NotAuthorized(_))
         ));
-        assert!(engine.registry.sessions(&config, &mallory).is_empty());
+        assert!(engine
+            .registry
+            .sessions(&mallory.owner(), scope(&config, &mallory))
+            .is_empty());
         assert_eq!(
-            engine.registry.sessions(&config, &caller(0, ":1.0")).len(),
+            engine
+                .registry
+                .sessions(
+                    &caller(0, ":1.0").owner(),
+                    scope(&config, &caller(0, ":1.0"))
+                )
+                .len(),
             1,
             "admins see all"
         );
         assert!(matches!(
-            engine.registry.quota(&config, &mallory, 1000),
-            Err(EngineError::NotAuthorized(_))
+            crate::policy::limits_of(&mallory, &config, 1000),
+            Err(crate::policy::PolicyError::OthersQuota)
         ));
         engine
             .registry
-            .close_session(&config, &alice_elsewhere, s)
+            .close_session(
+                &alice_elsewhere.owner(),
+                scope(&config, &alice_elsewhere),
+                s,
+            )
             .unwrap();
     }
 
@@ -860,10 +1238,20 @@ mod bodies {
     );
         let pool = Arc::clone(engine.pool("rootonly").unwrap());
         let nobody = caller(65534, ":1.5");
-        let s = engine.registry.open_session(&config, &nobody).unwrap();
+        let s = engine
+            .registry
+            .open_session(&nobody.owner(), &limits(&config, &nobody))
+            .unwrap();
         let err = engine
             .registry
-            .allocate(&config, &nobody, s, &pool, 4096)
+            .allocate(
+                &nobody.owner(),
+                &limits(&config, &nobody),
+                &pools(&engine, &nobody),
+                s,
+                &pool,
+                4096,
+            )
             .unwrap_err();
         assert_eq!(
             err.to_string(),
@@ -871,10 +1259,20 @@ mod bodies {
         );
         assert!(engine.registry.usage(65534).get(QuotaKind::Regions) == 0);
         let root = caller(0, ":1.0");
-        let s = engine.registry.open_session(&config, &root).unwrap();
+        let s = engine
+            .registry
+            .open_session(&root.owner(), &limits(&config, &root))
+            .unwrap();
         engine
             .registry
-            .allocate(&config, &root, s, &pool, 4096)
+            .allocate(
+                &root.owner(),
+                &limits(&config, &root),
+                &pools(&engine, &root),
+                s,
+                &pool,
+                4096,
+            )
             .unwrap();
     }
 }

@@ -54,7 +54,7 @@ impl Registry {
         SessionInfo {
             id,
             uid: session.owner.uid,
-            bus_name: session.owner.bus_name.clone(),
+            bus_name: session.owner.connection.clone(),
             pid: session.owner.pid,
             created: session.created,
             regions: session.regions.iter().copied().collect(),
@@ -68,30 +68,29 @@ impl Registry {
         }
     }
 
-    /// Sessions the caller may see: its user's, or all for an administrator.
-    pub fn sessions(&self, config: &Config, caller: &Caller) -> Vec<SessionInfo> {
-        let admin = policy::is_admin(caller, config);
+    /// Sessions `viewer` may see: its user's, or all when its scope is everyone's.
+    pub fn sessions(&self, viewer: &Owner, scope: Scope) -> Vec<SessionInfo> {
         let s = self.lock();
         s.sessions
             .iter()
-            .filter(|(_, x)| admin || x.owner.uid == caller.uid)
+            .filter(|(_, x)| scope == Scope::All || x.owner.uid == viewer.uid)
             .map(|(id, x)| Self::session_info(*id, x, &s))
             .collect()
     }
 
+    /// A session `viewer` may see (see [`Registry::sessions`]).
     pub fn session(
         &self,
-        config: &Config,
-        caller: &Caller,
+        viewer: &Owner,
+        scope: Scope,
         id: SessionId,
     ) -> Result<SessionInfo, EngineError> {
-        let admin = policy::is_admin(caller, config);
         let s = self.lock();
         let x = s
             .sessions
             .get(&id)
             .ok_or(EngineError::NoSuchObject(format!("session {id}")))?;
-        if x.owner.uid != caller.uid && !admin {
+        if x.owner.uid != viewer.uid && scope != Scope::All {
             return Err(not_authorized(format!(
                 "session {id} belongs to another user"
             )));
@@ -124,41 +123,40 @@ impl Registry {
         }
     }
 
-    pub(super) fn may_see_region(s: &State, r: &Region, caller: &Caller, admin: bool) -> bool {
-        admin
-            || r.owner_uid == caller.uid
+    pub(super) fn may_see_region(s: &State, r: &Region, viewer: &Owner, scope: Scope) -> bool {
+        scope == Scope::All
+            || r.owner_uid == viewer.uid
             || r.attached.keys().any(|sid| {
                 s.sessions
                     .get(sid)
-                    .is_some_and(|x| x.owner.uid == caller.uid)
+                    .is_some_and(|x| x.owner.uid == viewer.uid)
             })
     }
 
-    /// Regions the caller may see: its user's, those attached by its user, or all for an
-    /// administrator.
-    pub fn regions(&self, config: &Config, caller: &Caller) -> Vec<RegionInfo> {
-        let admin = policy::is_admin(caller, config);
+    /// Regions `viewer` may see: its user's, those attached by its user, or all when its
+    /// scope is everyone's.
+    pub fn regions(&self, viewer: &Owner, scope: Scope) -> Vec<RegionInfo> {
         let s = self.lock();
         s.regions
             .iter()
-            .filter(|(_, r)| Self::may_see_region(&s, r, caller, admin))
+            .filter(|(_, r)| Self::may_see_region(&s, r, viewer, scope))
             .map(|(id, r)| Self::region_info(*id, r, &s))
             .collect()
     }
 
+    /// A region `viewer` may see (see [`Registry::regions`]).
     pub fn region(
         &self,
-        config: &Config,
-        caller: &Caller,
+        viewer: &Owner,
+        scope: Scope,
         id: RegionId,
     ) -> Result<RegionInfo, EngineError> {
-        let admin = policy::is_admin(caller, config);
         let s = self.lock();
         let r = s
             .regions
             .get(&id)
             .ok_or(EngineError::NoSuchObject(format!("region {id}")))?;
-        if !Self::may_see_region(&s, r, caller, admin) {
+        if !Self::may_see_region(&s, r, viewer, scope) {
             return Err(not_authorized(format!(
                 "region {id} belongs to another user"
             )));
@@ -166,37 +164,20 @@ impl Registry {
         Ok(Self::region_info(id, r, &s))
     }
 
-    /// Queue pairs the caller may see: its user's, or all for an administrator.
-    pub fn qps(&self, config: &Config, caller: &Caller) -> Vec<(QpId, Arc<QueuePairRecord>)> {
-        let admin = policy::is_admin(caller, config);
+    /// Queue pairs `viewer` may see: its user's, or all when its scope is everyone's.
+    pub fn qps(&self, viewer: &Owner, scope: Scope) -> Vec<(QpId, Arc<QueuePairRecord>)> {
         self.lock()
             .qps
             .iter()
-            .filter(|(_, q)| admin || q.owner_uid == caller.uid)
+            .filter(|(_, q)| scope == Scope::All || q.owner_uid == viewer.uid)
             .map(|(id, q)| (*id, Arc::clone(q)))
             .collect()
     }
 
-    /// Limits and live use of `uid`: the caller's own, or anyone's for an administrator.
-    pub fn quota(
-        &self,
-        config: &Config,
-        caller: &Caller,
-        uid: u32,
-    ) -> Result<Vec<QuotaLine>, EngineError> {
-        if uid != caller.uid && !policy::is_admin(caller, config) {
-            return Err(not_authorized(
-                "only administrators may read another user's quota",
-            ));
-        }
-        let gids = if uid == caller.uid {
-            caller.gids.clone()
-        } else {
-            quota::groups_of(uid)
-        };
-        let limits = quota::limits_for(config, uid, &gids);
-        let usage = self.usage(uid);
-        Ok(QuotaKind::ALL
+    /// The limits of the user `limits` are for, next to its live use.
+    pub fn quota(&self, limits: &Limits) -> Vec<QuotaLine> {
+        let usage = self.usage(limits.uid);
+        QuotaKind::ALL
             .iter()
             .map(|&kind| QuotaLine {
                 kind,
@@ -204,6 +185,6 @@ impl Registry {
                 used: usage.get(kind),
                 source: limits.get(kind).source.clone(),
             })
-            .collect())
+            .collect()
     }
 }
