@@ -1,7 +1,11 @@
 //! Client side of rdmad: the D-Bus names, the wire types, the error names and typed
 //! proxies for every interface. Applications link this crate; it never links libibverbs.
+//! Its only `unsafe` is in [`mapping`], the shared-memory mapping the daemon uses too.
+
+#![deny(unsafe_code)]
 
 pub mod error;
+#[allow(unsafe_code)]
 pub mod mapping;
 pub mod names;
 pub mod proxy;

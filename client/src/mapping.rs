@@ -1,25 +1,31 @@
-//! Mapping a region's memfd into the client. The memory is shared with the daemon (and,
-//! through it, the RDMA device and other processes the region is shared with), so access is
-//! by copying in and out, never through references that could observe a concurrent write.
+//! Mapping a memfd shared with other processes: a region's or a queue pair's ring, in the
+//! client, and every memfd the daemon creates (`rdmad::memory::SharedMemory` is built on
+//! [`RegionMapping`]). The memory is shared with the other side (and, through the daemon,
+//! the RDMA device and the other processes a region is shared with), so access is by
+//! copying in and out, bounds checked, never through references that could observe a
+//! concurrent write. This module is the only place either crate maps or touches such memory
+//! (the daemon's hugepage copies go through the kernel, without `unsafe`).
 
 use std::io;
-use std::os::fd::{AsFd, OwnedFd};
+use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::ptr::NonNull;
+use std::sync::atomic::{AtomicU32, Ordering};
 
 use nix::sys::mman::{mmap, munmap, MapFlags, ProtFlags};
 
-/// A region mapped `MAP_SHARED` into this process.
+/// A descriptor mapped `MAP_SHARED` into this process; owns the descriptor and the mapping.
 #[derive(Debug)]
 pub struct RegionMapping {
     ptr: NonNull<u8>,
     len: usize,
     writable: bool,
-    _fd: OwnedFd,
+    fd: OwnedFd,
 }
 
-// SAFETY: the mapping is owned by this value and accessed only through raw copies.
+// SAFETY: the mapping is owned by this value and accessed only through raw copies and
+// atomics; no method hands out a reference into it that could outlive a call.
 unsafe impl Send for RegionMapping {}
-// SAFETY: as for `Send`; no method hands out references into the mapping.
+// SAFETY: as for `Send`: concurrent calls only make atomic accesses to the mapping.
 unsafe impl Sync for RegionMapping {}
 
 impl RegionMapping {
@@ -39,7 +45,7 @@ impl RegionMapping {
             ptr: ptr.cast(),
             len,
             writable,
-            _fd: fd,
+            fd,
         })
     }
 
@@ -55,72 +61,87 @@ impl RegionMapping {
         self.writable
     }
 
-    fn check(&self, offset: usize, len: usize) -> io::Result<()> {
+    /// This process's address of the first byte: for the kernel and the device, which are
+    /// told about the memory; valid while `self` lives.
+    pub fn as_ptr(&self) -> *mut u8 {
+        self.ptr.as_ptr()
+    }
+
+    /// The mapped descriptor.
+    pub fn fd(&self) -> BorrowedFd<'_> {
+        self.fd.as_fd()
+    }
+
+    /// Fails unless `[offset, offset + len)` lies inside the mapping.
+    pub fn check_range(&self, offset: usize, len: usize) -> io::Result<()> {
         match offset.checked_add(len) {
             Some(end) if end <= self.len => Ok(()),
             _ => Err(io::Error::new(
                 io::ErrorKind::InvalidInput,
-                format!("{offset}+{len} lies outside the {}-byte region", self.len),
+                format!(
+                    "range {offset}+{len} lies outside the {}-byte region",
+                    self.len
+                ),
             )),
         }
     }
 
-    /// Copies bytes at `offset` out of the region.
+    fn check_writable(&self) -> io::Result<()> {
+        if self.writable {
+            Ok(())
+        } else {
+            Err(io::Error::new(
+                io::ErrorKind::PermissionDenied,
+                "the region is mapped read-only",
+            ))
+        }
+    }
+
+    /// Copies bytes at `offset` out of the mapping.
     pub fn read(&self, offset: usize, buf: &mut [u8]) -> io::Result<()> {
-        self.check(offset, buf.len())?;
-        // SAFETY: the range is inside the live mapping (checked).
+        self.check_range(offset, buf.len())?;
+        // SAFETY: the range lies inside the live mapping (checked above), which stays
+        // mapped while `self` lives.
         unsafe { copy_from_shared(self.ptr.as_ptr().add(offset), buf) };
         Ok(())
     }
 
-    /// Copies `data` into the region at `offset`.
+    /// Copies `data` into the mapping at `offset` (the mapping must be writable).
     pub fn write(&self, offset: usize, data: &[u8]) -> io::Result<()> {
-        if !self.writable {
-            return Err(io::Error::new(
-                io::ErrorKind::PermissionDenied,
-                "the region is mapped read-only",
-            ));
-        }
-        self.check(offset, data.len())?;
-        // SAFETY: as in `read`; the mapping is writable.
+        self.check_writable()?;
+        self.check_range(offset, data.len())?;
+        // SAFETY: as in `read`; the mapping is writable (checked above).
         unsafe { copy_to_shared(data, self.ptr.as_ptr().add(offset)) };
         Ok(())
     }
-}
 
-impl RegionMapping {
-    fn atomic_u32(&self, offset: usize) -> io::Result<&std::sync::atomic::AtomicU32> {
-        self.check(offset, 4)?;
+    /// An acquire load of the `u32` at `offset` (4-byte aligned), for ring indices the
+    /// other side publishes.
+    pub fn load_u32(&self, offset: usize) -> io::Result<u32> {
+        Ok(self.atomic_u32(offset)?.load(Ordering::Acquire))
+    }
+
+    /// A release store of a `u32` at `offset` (4-byte aligned; the mapping must be
+    /// writable), publishing what was written before it.
+    pub fn store_u32(&self, offset: usize, value: u32) -> io::Result<()> {
+        self.check_writable()?;
+        self.atomic_u32(offset)?.store(value, Ordering::Release);
+        Ok(())
+    }
+
+    fn atomic_u32(&self, offset: usize) -> io::Result<&AtomicU32> {
+        self.check_range(offset, 4)?;
         if offset % 4 != 0 {
             return Err(io::Error::new(
                 io::ErrorKind::InvalidInput,
-                "unaligned ring word",
+                format!("offset {offset} is not 4-byte aligned"),
             ));
         }
-        // SAFETY: inside the live mapping (checked), 4-byte aligned (the mapping is page
-        // aligned), accessed by the other side only atomically per the ring protocol; the
-        // reference does not outlive `self`.
-        Ok(unsafe { std::sync::atomic::AtomicU32::from_ptr(self.ptr.as_ptr().add(offset).cast()) })
-    }
-
-    /// Acquire load of a ring word.
-    pub fn load_u32(&self, offset: usize) -> io::Result<u32> {
-        Ok(self
-            .atomic_u32(offset)?
-            .load(std::sync::atomic::Ordering::Acquire))
-    }
-
-    /// Release store of a ring word (the mapping must be writable).
-    pub fn store_u32(&self, offset: usize, value: u32) -> io::Result<()> {
-        if !self.writable {
-            return Err(io::Error::new(
-                io::ErrorKind::PermissionDenied,
-                "read-only mapping",
-            ));
-        }
-        self.atomic_u32(offset)?
-            .store(value, std::sync::atomic::Ordering::Release);
-        Ok(())
+        // SAFETY: the 4 bytes lie inside the live mapping (checked) and are 4-byte aligned
+        // (the mapping is page aligned); other processes access them only atomically by
+        // the ring protocol, and the reference lives no longer than `self`. A store through
+        // it is made only on a writable mapping (`store_u32` checks).
+        Ok(unsafe { AtomicU32::from_ptr(self.ptr.as_ptr().add(offset).cast()) })
     }
 }
 
@@ -137,7 +158,7 @@ const WORD: usize = std::mem::size_of::<usize>();
 /// `src..src + dst.len()` must lie inside one live mapping for the whole call. The mapping
 /// may be read-only: only relaxed loads of at most a word are made, which Rust allows on
 /// read-only memory.
-pub unsafe fn copy_from_shared(src: *const u8, dst: &mut [u8]) {
+unsafe fn copy_from_shared(src: *const u8, dst: &mut [u8]) {
     use std::sync::atomic::{AtomicU8, AtomicUsize, Ordering::Relaxed};
     let len = dst.len();
     let head = src.align_offset(WORD).min(len);
@@ -163,7 +184,7 @@ pub unsafe fn copy_from_shared(src: *const u8, dst: &mut [u8]) {
 ///
 /// # Safety
 /// `dst..dst + src.len()` must lie inside one live writable mapping for the whole call.
-pub unsafe fn copy_to_shared(src: &[u8], dst: *mut u8) {
+unsafe fn copy_to_shared(src: &[u8], dst: *mut u8) {
     use std::sync::atomic::{AtomicU8, AtomicUsize, Ordering::Relaxed};
     let len = src.len();
     let head = dst.align_offset(WORD).min(len);
@@ -194,6 +215,38 @@ impl Drop for RegionMapping {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn memfd(len: usize) -> OwnedFd {
+        let fd = nix::sys::memfd::memfd_create(
+            c"mapping-test",
+            nix::sys::memfd::MemFdCreateFlag::empty(),
+        )
+        .unwrap();
+        nix::unistd::ftruncate(&fd, len as i64).unwrap();
+        fd
+    }
+
+    #[test]
+    fn accesses_are_bounds_checked_and_writes_need_a_writable_mapping() {
+        let rw = RegionMapping::map(memfd(4096), 4096, true).unwrap();
+        rw.write(4090, b"abcdef").unwrap();
+        assert!(rw.write(4091, b"abcdef").is_err());
+        assert!(rw.read(usize::MAX, &mut [0u8; 2]).is_err());
+        rw.store_u32(64, 7).unwrap();
+        assert!(rw.load_u32(66).is_err(), "unaligned");
+        assert!(rw.store_u32(4094, 1).is_err(), "out of range");
+
+        let ro = RegionMapping::map(rw.fd().try_clone_to_owned().unwrap(), 4096, false).unwrap();
+        assert_eq!(ro.load_u32(64).unwrap(), 7, "one file, two mappings");
+        let mut buf = [0u8; 6];
+        ro.read(4090, &mut buf).unwrap();
+        assert_eq!(&buf, b"abcdef");
+        let denied = ro.write(0, b"x").unwrap_err();
+        assert_eq!(denied.kind(), io::ErrorKind::PermissionDenied);
+        let denied = ro.store_u32(64, 1).unwrap_err();
+        assert_eq!(denied.kind(), io::ErrorKind::PermissionDenied);
+        assert!(RegionMapping::map(memfd(4096), 0, true).is_err(), "empty");
+    }
 
     #[test]
     fn shared_copies_handle_every_alignment_and_length() {

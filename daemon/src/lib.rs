@@ -3,6 +3,12 @@
 //!
 //! Layers, top to bottom (nothing flows up): [`dbus`] → [`policy`] → [`engine`] →
 //! [`provider`].
+//!
+//! No `unsafe` outside the verbs provider ([`provider::verbs`]) and one test of [`memory`]:
+//! the shared memory the daemon maps is touched only through `rdmad_client::mapping`, which
+//! holds the rest.
+
+#![deny(unsafe_code)]
 
 pub mod cli;
 pub mod config;

@@ -1,5 +1,7 @@
 //! `rdmad`: parse the command line, set up logging, run the daemon.
 
+#![deny(unsafe_code)]
+
 use clap::Parser;
 
 fn main() -> std::process::ExitCode {

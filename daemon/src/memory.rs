@@ -1,11 +1,12 @@
 //! Shared memory that clients map: one memfd per region, sized once and sealed against
-//! shrinking and growing, mapped shared into the daemon. With the ring code, this is where
-//! rdmad's own `unsafe` lives (the verbs provider holds the rest).
+//! shrinking and growing, mapped shared into the daemon through the client crate's
+//! [`RegionMapping`] (the one type either side maps shared memory with; its module holds
+//! the `unsafe`, this one needs none).
 //!
 //! Clients hold the memfd and may do anything to it that its seals allow, at any moment:
 //! write it, punch holes in it (`fallocate(PUNCH_HOLE)`), keep it after the daemon let go.
 //! So the daemon
-//! - copies in and out with atomic accesses ([`rdmad_client::mapping::copy_from_shared`]),
+//! - copies in and out with atomic accesses ([`RegionMapping::read`]/[`RegionMapping::write`]),
 //!   never with plain copies of memory that races;
 //! - never faults a hugepage-backed file through its own mapping: a punched hugepage is
 //!   refaulted from the system's free hugepages, and when there is none left the fault is a
@@ -19,29 +20,20 @@
 
 use std::ffi::CStr;
 use std::io;
-use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
-use std::ptr::NonNull;
+use std::os::fd::BorrowedFd;
 
 use nix::fcntl::{fcntl, FcntlArg, SealFlag};
 use nix::sys::memfd::{memfd_create, MemFdCreateFlag};
-use nix::sys::mman::{mmap, munmap, MapFlags, ProtFlags};
+use rdmad_client::RegionMapping;
 
 /// A memfd of fixed size mapped read-write and shared into the daemon.
 #[derive(Debug)]
 pub struct SharedMemory {
-    fd: OwnedFd,
-    ptr: NonNull<u8>,
-    len: usize,
+    /// The memfd and its mapping (dropped after [`Drop::drop`] punched the file).
+    map: RegionMapping,
     /// Backed by hugetlbfs: copied by the kernel, never faulted by the daemon's own loads.
     hugepages: bool,
 }
-
-// SAFETY: the mapping is plain shared memory owned by this value; concurrent access goes
-// through raw-pointer copies (`read_at`/`write_at`), which are sound for shared memory that
-// other processes may write at any time (no references into it are ever handed out).
-unsafe impl Send for SharedMemory {}
-// SAFETY: see `Send`: no method hands out a reference into the mapping.
-unsafe impl Sync for SharedMemory {}
 
 impl SharedMemory {
     /// Creates a zero-filled memfd of `len` bytes named `name` (visible in
@@ -82,47 +74,32 @@ impl SharedMemory {
                 SealFlag::F_SEAL_SHRINK | SealFlag::F_SEAL_GROW | SealFlag::F_SEAL_SEAL,
             ),
         )?;
-        let length = std::num::NonZeroUsize::new(len).expect("len checked above");
-        // SAFETY: a fresh shared mapping of a file we own, at an address the kernel picks;
-        // it aliases no Rust object.
-        let ptr = unsafe {
-            mmap(
-                None,
-                length,
-                ProtFlags::PROT_READ | ProtFlags::PROT_WRITE,
-                MapFlags::MAP_SHARED,
-                &fd,
-                0,
-            )
-        }?;
         Ok(SharedMemory {
-            fd,
-            ptr: ptr.cast(),
-            len,
+            map: RegionMapping::map(fd, len, true)?,
             hugepages,
         })
     }
 
     pub fn len(&self) -> usize {
-        self.len
+        self.map.len()
     }
 
     pub fn is_empty(&self) -> bool {
-        self.len == 0
+        self.map.is_empty()
     }
 
     /// The daemon's address of the first byte (what the device is told).
     pub fn addr(&self) -> u64 {
-        self.ptr.as_ptr() as u64
+        self.map.as_ptr() as u64
     }
 
     pub fn as_ptr(&self) -> *mut u8 {
-        self.ptr.as_ptr()
+        self.map.as_ptr()
     }
 
     /// The memfd, to duplicate and pass to a client.
     pub fn fd(&self) -> BorrowedFd<'_> {
-        self.fd.as_fd()
+        self.map.fd()
     }
 
     /// Whether the memory is backed by hugepages.
@@ -141,86 +118,54 @@ impl SharedMemory {
     /// Copies `buf.len()` bytes at `offset` out of the mapping. Fails (`EFAULT`) where a
     /// client punched a hugepage the system cannot give back.
     pub fn read_at(&self, offset: usize, buf: &mut [u8]) -> io::Result<()> {
+        if !self.hugepages {
+            return self.map.read(offset, buf);
+        }
         self.check_range(offset, buf.len())?;
         if buf.is_empty() {
             return Ok(());
         }
-        if self.hugepages {
-            let len = buf.len();
-            let done = nix::sys::uio::process_vm_readv(
-                nix::unistd::Pid::this(),
-                &mut [io::IoSliceMut::new(buf)],
-                &self.kernel_range(offset, len),
-            )?;
-            return short_copy(done, len);
-        }
-        // SAFETY: the range lies inside the live mapping (checked above), which stays
-        // mapped while `self` lives.
-        unsafe { rdmad_client::mapping::copy_from_shared(self.ptr.as_ptr().add(offset), buf) };
-        Ok(())
+        let len = buf.len();
+        let done = nix::sys::uio::process_vm_readv(
+            nix::unistd::Pid::this(),
+            &mut [io::IoSliceMut::new(buf)],
+            &self.kernel_range(offset, len),
+        )?;
+        short_copy(done, len)
     }
 
     /// Copies `data` into the mapping at `offset` (fails like [`SharedMemory::read_at`]).
     pub fn write_at(&self, offset: usize, data: &[u8]) -> io::Result<()> {
+        if !self.hugepages {
+            return self.map.write(offset, data);
+        }
         self.check_range(offset, data.len())?;
         if data.is_empty() {
             return Ok(());
         }
-        if self.hugepages {
-            let done = nix::sys::uio::process_vm_writev(
-                nix::unistd::Pid::this(),
-                &[io::IoSlice::new(data)],
-                &self.kernel_range(offset, data.len()),
-            )?;
-            return short_copy(done, data.len());
-        }
-        // SAFETY: as in `read_at`; the mapping is writable.
-        unsafe { rdmad_client::mapping::copy_to_shared(data, self.ptr.as_ptr().add(offset)) };
-        Ok(())
+        let done = nix::sys::uio::process_vm_writev(
+            nix::unistd::Pid::this(),
+            &[io::IoSlice::new(data)],
+            &self.kernel_range(offset, data.len()),
+        )?;
+        short_copy(done, data.len())
     }
 
-    /// An acquire load of the little-endian `u32` at `offset` (4-byte aligned), for ring
-    /// indices another process publishes.
+    /// An acquire load of the `u32` at `offset` (4-byte aligned), for ring indices another
+    /// process publishes.
     pub fn load_u32(&self, offset: usize) -> io::Result<u32> {
-        Ok(self
-            .atomic_u32(offset)?
-            .load(std::sync::atomic::Ordering::Acquire))
+        self.map.load_u32(offset)
     }
 
     /// A release store of a `u32` at `offset` (4-byte aligned), publishing what was
     /// written before it.
     pub fn store_u32(&self, offset: usize, value: u32) -> io::Result<()> {
-        self.atomic_u32(offset)?
-            .store(value, std::sync::atomic::Ordering::Release);
-        Ok(())
-    }
-
-    fn atomic_u32(&self, offset: usize) -> io::Result<&std::sync::atomic::AtomicU32> {
-        self.check_range(offset, 4)?;
-        if offset % 4 != 0 {
-            return Err(io::Error::new(
-                io::ErrorKind::InvalidInput,
-                format!("offset {offset} is not 4-byte aligned"),
-            ));
-        }
-        // SAFETY: the 4 bytes lie inside the live mapping (checked) and are 4-byte aligned
-        // (the mapping is page aligned); other processes access them only atomically by
-        // the ring protocol, and the reference lives no longer than `self`.
-        Ok(unsafe { std::sync::atomic::AtomicU32::from_ptr(self.ptr.as_ptr().add(offset).cast()) })
+        self.map.store_u32(offset, value)
     }
 
     /// Fails unless `[offset, offset + len)` lies inside the mapping.
     pub fn check_range(&self, offset: usize, len: usize) -> io::Result<()> {
-        match offset.checked_add(len) {
-            Some(end) if end <= self.len => Ok(()),
-            _ => Err(io::Error::new(
-                io::ErrorKind::InvalidInput,
-                format!(
-                    "range {offset}+{len} lies outside the {}-byte region",
-                    self.len
-                ),
-            )),
-        }
+        self.map.check_range(offset, len)
     }
 }
 
@@ -235,10 +180,11 @@ fn short_copy(done: usize, wanted: usize) -> io::Result<()> {
 
 impl Drop for SharedMemory {
     fn drop(&mut self) {
-        // Give the pages back now, whoever still holds the file or a mapping of it.
-        let len = libc::off_t::try_from(self.len).unwrap_or(libc::off_t::MAX);
+        // Give the pages back now, whoever still holds the file or a mapping of it. The
+        // daemon's own mapping goes right after, with `map`.
+        let len = libc::off_t::try_from(self.len()).unwrap_or(libc::off_t::MAX);
         if let Err(e) = nix::fcntl::fallocate(
-            std::os::fd::AsRawFd::as_raw_fd(&self.fd),
+            std::os::fd::AsRawFd::as_raw_fd(&self.fd()),
             nix::fcntl::FallocateFlags::FALLOC_FL_PUNCH_HOLE
                 | nix::fcntl::FallocateFlags::FALLOC_FL_KEEP_SIZE,
             0,
@@ -246,17 +192,15 @@ impl Drop for SharedMemory {
         ) {
             tracing::warn!(
                 "releasing the pages of a {}-byte memfd failed: {e}",
-                self.len
+                self.len()
             );
-        }
-        // SAFETY: `ptr`/`len` are the mapping made in `create`, unmapped only here.
-        if let Err(e) = unsafe { munmap(self.ptr.cast(), self.len) } {
-            tracing::error!("munmap of a {}-byte region failed: {e}", self.len);
         }
     }
 }
 
 #[cfg(test)]
+// `mincore` (is a page resident?) has no safe wrapper.
+#[allow(unsafe_code)]
 mod tests {
     use super::*;
 

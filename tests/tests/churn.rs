@@ -156,7 +156,7 @@ mod bodies {
                         let (uid, kill_at, mid_call) = {
                             let mut rng = plan.lock().unwrap();
                             let uid = if rng.below(2) == 0 { NOBODY } else { 1 };
-                            (uid, rng.below(STEPS as u64 + 1) as usize, rng.below(2) == 0)
+                            (uid, rng.below(STEPS + 1), rng.below(2) == 0)
                         };
                         one_client(&bus, uid, &device, &token, kill_at, mid_call);
                     });

@@ -240,7 +240,7 @@ mod bodies {
             let export_first = rng.below(2) == 0;
             let mut order: Vec<usize> = (0..ATTACHERS + 2).collect();
             for i in (1..order.len()).rev() {
-                order.swap(i, rng.below(i as u64 + 1) as usize);
+                order.swap(i, rng.below(i + 1));
             }
             for &who in &order {
                 match who {

@@ -17,6 +17,7 @@ pub(crate) mod conformance_data;
 pub mod counters;
 pub mod loopback;
 pub mod types;
+#[allow(unsafe_code)]
 pub mod verbs;
 
 use std::any::Any;

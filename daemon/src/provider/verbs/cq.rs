@@ -19,7 +19,7 @@ use rdma_sys::{
     ibv_wc, ibv_wc_flags, ibv_wc_opcode, ibv_wc_status,
 };
 
-use super::{verb_error, Context};
+use super::{verb_error, DeviceContext};
 use crate::provider::counters::Tracked;
 use crate::provider::{
     CompletionQueue, ObjectKind, ProviderError, Result, WcOpcode, WcStatus, WorkCompletion,
@@ -36,7 +36,7 @@ pub(super) struct VerbsCq {
     fd: RawFd,
     _tracked: Tracked,
     /// Closed only after the CQ and channel are destroyed (field drops follow `Drop::drop`).
-    context: Arc<Context>,
+    context: Arc<DeviceContext>,
 }
 
 // SAFETY: the CQ and channel are only passed to libibverbs calls, which are thread safe
@@ -46,7 +46,7 @@ unsafe impl Send for VerbsCq {}
 // SAFETY: as for `Send`; `&VerbsCq` gives no access to the pointees except through verbs.
 unsafe impl Sync for VerbsCq {}
 
-pub(super) fn create(context: &Arc<Context>, depth: u32) -> Result<Arc<dyn CompletionQueue>> {
+pub(super) fn create(context: &Arc<DeviceContext>, depth: u32) -> Result<Arc<dyn CompletionQueue>> {
     let name = &context.name;
     let cqe = c_int::try_from(depth)
         .ok()
@@ -119,7 +119,7 @@ impl VerbsCq {
         self.cq.as_ptr()
     }
 
-    pub(super) fn context(&self) -> &Arc<Context> {
+    pub(super) fn context(&self) -> &Arc<DeviceContext> {
         &self.context
     }
 

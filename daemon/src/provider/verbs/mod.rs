@@ -1,9 +1,10 @@
 //! The verbs provider: real RDMA devices through libibverbs (`rdma-sys`).
 //!
 //! Ownership mirrors the kernel's object tree: a [`VerbsDevice`] is a handle on an
-//! `Arc<Context>` (the opened `ibv_context`); a protection domain holds that `Arc`, and every
-//! registration or window holds its PD's inner `Arc`. Whatever order the engine drops handles
-//! in, children are destroyed before their parents and the device is closed last.
+//! `Arc<DeviceContext>` (the opened `ibv_context`; not to be confused with the D-Bus layer's
+//! `dbus::Context`); a protection domain holds that `Arc`, and every registration or window
+//! holds its PD's inner `Arc`. Whatever order the engine drops handles in, children are
+//! destroyed before their parents and the device is closed last.
 //!
 //! Data path: [`cq`] (completion queues with a completion channel each) and [`qp`] (RC queue
 //! pairs, posting, window binding). A QP holds its CQs and PD; a CQ holds the context.
@@ -55,7 +56,7 @@ pub fn open_devices() -> Result<Vec<Arc<dyn Device>>> {
     let mut devices: Vec<Arc<dyn Device>> = Vec::new();
     let mut first_error = None;
     for raw in list.iter() {
-        match Context::open(raw) {
+        match DeviceContext::open(raw) {
             Ok(context) => devices.push(Arc::new(VerbsDevice {
                 context: Arc::new(context),
             })),
@@ -84,7 +85,7 @@ pub fn open_device(name: &str) -> Result<VerbsDevice> {
         let found = device_name(raw);
         if found == name {
             return Ok(VerbsDevice {
-                context: Arc::new(Context::open(raw)?),
+                context: Arc::new(DeviceContext::open(raw)?),
             });
         }
         seen.push(found);
@@ -195,7 +196,7 @@ fn to_u32(value: c_int) -> u32 {
 
 /// An opened device (`ibv_context`); closes it on drop.
 #[derive(Debug)]
-struct Context {
+struct DeviceContext {
     ctx: NonNull<ibv_context>,
     name: String,
     /// `/sys/class/infiniband/<name>`, where the GID types live.
@@ -210,13 +211,14 @@ struct Context {
 }
 
 // SAFETY: the context is only used through libibverbs calls, which are thread safe (module
-// docs); it is closed once, in `Drop`, when the last `Arc<Context>` goes.
-unsafe impl Send for Context {}
-// SAFETY: as for `Send`; `&Context` gives no access to the pointee except through verbs.
-unsafe impl Sync for Context {}
+// docs); it is closed once, in `Drop`, when the last `Arc<DeviceContext>` goes.
+unsafe impl Send for DeviceContext {}
+// SAFETY: as for `Send`; `&DeviceContext` gives no access to the pointee except through
+// verbs.
+unsafe impl Sync for DeviceContext {}
 
-impl Context {
-    fn open(device: NonNull<ibv_device>) -> Result<Context> {
+impl DeviceContext {
+    fn open(device: NonNull<ibv_device>) -> Result<DeviceContext> {
         let name = device_name(device);
         // SAFETY: `device` is a live entry of the device list; the path is a fixed-size
         // array inside it, which we copy.
@@ -227,7 +229,7 @@ impl Context {
         let Some(ctx) = NonNull::new(ctx) else {
             return Err(ProviderError::last_os(&name, "ibv_open_device"));
         };
-        let mut context = Context {
+        let mut context = DeviceContext {
             ctx,
             sysfs: if ibdev_path.is_empty() {
                 PathBuf::from("/sys/class/infiniband").join(&name)
@@ -313,10 +315,10 @@ impl Context {
     }
 }
 
-impl Drop for Context {
+impl Drop for DeviceContext {
     fn drop(&mut self) {
         // SAFETY: the context was opened in `open` and is closed only here; every child
-        // object holds an `Arc<Context>`, so none is left.
+        // object holds an `Arc<DeviceContext>`, so none is left.
         let rc = unsafe { ibv_close_device(self.ctx.as_ptr()) };
         if rc != 0 {
             tracing::error!(
@@ -331,7 +333,7 @@ impl Drop for Context {
 /// An opened verbs device.
 #[derive(Debug, Clone)]
 pub struct VerbsDevice {
-    context: Arc<Context>,
+    context: Arc<DeviceContext>,
 }
 
 fn port_state(state: ibv_port_state::Type) -> PortState {
@@ -562,7 +564,7 @@ fn dealloc_mw(name: &str, mw: NonNull<ibv_mw>) -> Result<()> {
     Ok(())
 }
 
-impl Context {
+impl DeviceContext {
     /// Keeps an object whose destruction failed, and says so.
     fn linger(&self, handle: LingeringHandle, info: Lingering, pd: &Arc<PdInner>) {
         tracing::error!(
@@ -591,7 +593,7 @@ struct PdInner {
     pd: NonNull<ibv_pd>,
     _tracked: Tracked,
     /// Dropped after the PD is deallocated (field drops follow `Drop::drop`).
-    context: Arc<Context>,
+    context: Arc<DeviceContext>,
 }
 
 // SAFETY: the PD is only passed to thread-safe verbs (module docs) and deallocated once, in
