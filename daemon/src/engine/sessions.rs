@@ -1,0 +1,144 @@
+//! Sessions, regions, access keys and quota reports, for owners the policy layer named.
+
+use super::*;
+
+impl Engine {
+    /// Opens a session for `owner`, within `limits`.
+    pub fn open_session(&self, owner: &Owner, limits: &Limits) -> Result<SessionId, EngineError> {
+        self.registry.open_session(owner, limits)
+    }
+
+    /// Closes session `id` (`owner`'s user's, or anyone's in scope `All`); returns what
+    /// was removed with it.
+    pub fn close_session(
+        &self,
+        owner: &Owner,
+        scope: Scope,
+        id: SessionId,
+    ) -> Result<Removed, EngineError> {
+        self.registry.close_session(owner, scope, id)
+    }
+
+    /// Closes every session of a bus connection that left the bus; returns what was
+    /// removed.
+    pub fn close_sessions_of(&self, connection: &str) -> Removed {
+        self.registry.close_sessions_of(connection)
+    }
+
+    /// Closes every session (the bus is going away); returns what was removed.
+    pub fn close_all(&self) -> Removed {
+        self.registry.close_all()
+    }
+
+    pub fn session(
+        &self,
+        viewer: &Owner,
+        scope: Scope,
+        id: SessionId,
+    ) -> Result<SessionInfo, EngineError> {
+        self.registry.session(viewer, scope, id)
+    }
+
+    pub fn sessions(&self, viewer: &Owner, scope: Scope) -> Vec<SessionInfo> {
+        self.registry.sessions(viewer, scope)
+    }
+
+    // Regions and keys.
+
+    /// Allocates a region of at least `size` bytes from pool `pool` into `session`
+    /// (`owner`'s), within `limits` and if `pools` admits the pool.
+    pub fn allocate(
+        &self,
+        owner: &Owner,
+        limits: &Limits,
+        pools: &PoolAccess,
+        session: SessionId,
+        pool: &str,
+        size: u64,
+    ) -> Result<Handout, EngineError> {
+        let pool = self.pool(pool)?;
+        self.registry
+            .allocate(owner, limits, pools, session, pool, size)
+    }
+
+    /// Frees region `id` (`owner`'s connection's); returns what was removed.
+    pub fn free(&self, owner: &Owner, id: RegionId) -> Result<Removed, EngineError> {
+        self.registry.free(owner, id)?;
+        Ok(Removed {
+            regions: vec![id],
+            ..Removed::default()
+        })
+    }
+
+    /// Creates an access key for region `id` (`owner`'s connection's), within `limits`;
+    /// returns the token and the key's id.
+    pub fn share(
+        &self,
+        owner: &Owner,
+        limits: &Limits,
+        id: RegionId,
+        access: AttachMode,
+        lifetime: Option<Duration>,
+    ) -> Result<(String, KeyId), EngineError> {
+        self.registry.share(owner, limits, id, access, lifetime)
+    }
+
+    /// Revokes key `key` (its region's owner's, or anyone's in scope `All`).
+    pub fn revoke(&self, owner: &Owner, scope: Scope, key: KeyId) -> Result<(), EngineError> {
+        self.registry.revoke(owner, scope, key)
+    }
+
+    /// Revokes key `key` of region `region`, which `viewer` must see.
+    pub fn revoke_of_region(
+        &self,
+        owner: &Owner,
+        scope: Scope,
+        region: RegionId,
+        key: KeyId,
+    ) -> Result<(), EngineError> {
+        let info = self.registry.region(owner, scope, region)?;
+        if !info.keys.iter().any(|k| k.id == key) {
+            return Err(EngineError::NoSuchObject(format!(
+                "key {key} of region {region}"
+            )));
+        }
+        self.registry.revoke(owner, scope, key)
+    }
+
+    /// Attaches the region `token` grants to `session` (`owner`'s), if `pools` admits its
+    /// pool.
+    pub fn attach(
+        &self,
+        owner: &Owner,
+        pools: &PoolAccess,
+        session: SessionId,
+        token: &str,
+    ) -> Result<Handout, EngineError> {
+        self.registry.attach(owner, pools, session, token)
+    }
+
+    /// Ends the attachment of region `id` to a session of `owner`'s connection.
+    pub fn detach(&self, owner: &Owner, id: RegionId) -> Result<(), EngineError> {
+        self.registry.detach(owner, id)
+    }
+
+    pub fn region(
+        &self,
+        viewer: &Owner,
+        scope: Scope,
+        id: RegionId,
+    ) -> Result<RegionInfo, EngineError> {
+        self.registry.region(viewer, scope, id)
+    }
+
+    pub fn regions(&self, viewer: &Owner, scope: Scope) -> Vec<RegionInfo> {
+        self.registry.regions(viewer, scope)
+    }
+
+    // Quotas.
+
+    /// The limits of the user `limits` are for, next to its live use.
+    pub fn quota(&self, limits: &Limits) -> Vec<QuotaLine> {
+        self.registry.quota(limits)
+    }
+}
