@@ -21,3 +21,35 @@ pub mod policy;
 pub mod provider;
 pub mod service;
 pub mod test_hooks;
+
+/// One body, two tests: `NAME` on the loopback device and `rxe_NAME` on Soft-RoCE (the VM
+/// tier runs `rxe_*`). The bodies live in a module `bodies` of the calling file.
+///
+/// - `on_both_providers!(async a / rxe_a, …)`: the bodies are `async fn a(provider: &str)`,
+///   given `"loopback"` or `"verbs"` (the daemon's `--provider`), run on tokio's
+///   multi-threaded runtime (the integration tests of `rdmad-tests`).
+/// - `on_both_providers!(a / rxe_a, …)`: the bodies are `fn a(provider: ProviderChoice)`
+///   (the engine's unit tests).
+#[macro_export]
+macro_rules! on_both_providers {
+    (async $($name:ident / $rxe:ident),* $(,)?) => {$(
+        #[tokio::test(flavor = "multi_thread")]
+        async fn $name() {
+            bodies::$name("loopback").await
+        }
+        #[tokio::test(flavor = "multi_thread")]
+        async fn $rxe() {
+            bodies::$name("verbs").await
+        }
+    )*};
+    ($($name:ident / $rxe:ident),* $(,)?) => {$(
+        #[test]
+        fn $name() {
+            bodies::$name($crate::config::ProviderChoice::Loopback)
+        }
+        #[test]
+        fn $rxe() {
+            bodies::$name($crate::config::ProviderChoice::Verbs)
+        }
+    )*};
+}

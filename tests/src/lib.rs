@@ -79,20 +79,3 @@ pub fn short_error_name(name: &str) -> String {
         .or_else(|| name.strip_prefix("org.rdmad1.Error.").map(str::to_owned))
         .unwrap_or_else(|| name.to_owned())
 }
-
-/// One body, two tests: `NAME` on the loopback device and `rxe_NAME` on Soft-RoCE (the VM
-/// tier runs `rxe_*`). The bodies live in a module `bodies` of the calling file and take
-/// the provider name (`"loopback"` or `"verbs"`).
-#[macro_export]
-macro_rules! on_both_providers {
-    ($($name:ident / $rxe:ident),* $(,)?) => {$(
-        #[tokio::test(flavor = "multi_thread")]
-        async fn $name() {
-            bodies::$name("loopback").await
-        }
-        #[tokio::test(flavor = "multi_thread")]
-        async fn $rxe() {
-            bodies::$name("verbs").await
-        }
-    )*};
-}

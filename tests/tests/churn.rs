@@ -7,7 +7,7 @@
 //! `RDMAD_CHURN_CLIENTS` (default 1000) and `RDMAD_CHURN_SEED` (default: the clock; the
 //! seed is printed) reproduce a run.
 
-rdmad_tests::on_both_providers!(
+rdmad::on_both_providers!(async
     churn_of_killed_clients_leaves_nothing_behind
         / rxe_churn_of_killed_clients_leaves_nothing_behind
 );

@@ -2,7 +2,7 @@
 //! against the session's regions, run on the device, completions back through the ring.
 //! Every test runs on loopback and, as `rxe_*`, on Soft-RoCE in the VM tier.
 
-rdmad_tests::on_both_providers!(
+rdmad::on_both_providers!(async
     send_and_receive_through_the_rings / rxe_send_and_receive_through_the_rings,
     sigkill_mid_transfer_releases_everything / rxe_sigkill_mid_transfer_releases_everything,
     remote_access_through_exports_until_released / rxe_remote_access_through_exports_until_released,

@@ -15,7 +15,7 @@ use rdmad_tests::daemon::{rdmactl_ok, start_on, wait_for_sessions};
 use rdmad_tests::{repo_root, NOBODY};
 use serde_json::Value;
 
-rdmad_tests::on_both_providers!(
+rdmad::on_both_providers!(async
     exports_past_the_quota_are_refused_and_another_user_still_exports
         / rxe_exports_past_the_quota_are_refused_and_another_user_still_exports,
 );

@@ -4,7 +4,7 @@
 //! see: the victim's round trips, its completions, the daemon's memory, a clean stop.
 //! Every test runs on loopback and, as `rxe_*`, on Soft-RoCE in the VM tier.
 
-rdmad_tests::on_both_providers!(
+rdmad::on_both_providers!(async
     descriptor_and_memfd_attacks_never_stall_a_neighbour
         / rxe_descriptor_and_memfd_attacks_never_stall_a_neighbour,
     freed_memory_stops_costing_the_daemon / rxe_freed_memory_stops_costing_the_daemon,

@@ -2,7 +2,7 @@
 //! endpoint, connected to a peer, listed, refused to others, released with their session.
 //! Every test runs on loopback and, as `rxe_*`, on Soft-RoCE in the VM tier.
 
-rdmad_tests::on_both_providers!(
+rdmad::on_both_providers!(async
     two_processes_connect_their_queue_pairs / rxe_two_processes_connect_their_queue_pairs,
     bad_endpoints_and_options_are_refused / rxe_bad_endpoints_and_options_are_refused,
     other_users_cannot_touch_a_queue_pair / rxe_other_users_cannot_touch_a_queue_pair,

@@ -12,7 +12,7 @@
 //!
 //! `RDMAD_RACE_SEED` replays a run (the seed is printed).
 
-rdmad_tests::on_both_providers!(
+rdmad::on_both_providers!(async
     racing_for_the_last_units_of_every_quota_never_overshoots
         / rxe_racing_for_the_last_units_of_every_quota_never_overshoots,
     free_attach_revoke_and_export_racing_on_one_region

@@ -9,7 +9,7 @@ use rdmad_tests::daemon::{object_counts, start_on};
 use rdmad_tests::NOBODY;
 use serde_json::Value;
 
-rdmad_tests::on_both_providers!(
+rdmad::on_both_providers!(async
     allocate_map_write_read_free / rxe_allocate_map_write_read_free,
     kept_descriptor_never_sees_the_next_owner / rxe_kept_descriptor_never_sees_the_next_owner,
     read_only_and_read_write_attachments / rxe_read_only_and_read_write_attachments,

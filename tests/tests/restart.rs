@@ -4,7 +4,7 @@
 //! their own process; the new instance starts with nothing of the old one's; on Soft-RoCE
 //! the kernel holds no verbs object of the dead instance.
 
-rdmad_tests::on_both_providers!(
+rdmad::on_both_providers!(async
     clients_see_the_daemon_go_and_a_restarted_daemon_starts_clean
         / rxe_clients_see_the_daemon_go_and_a_restarted_daemon_starts_clean,
 );

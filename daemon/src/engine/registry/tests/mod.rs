@@ -10,21 +10,7 @@ mod bodies;
 mod exports;
 mod windows;
 
-/// One body, two tests: `NAME` on loopback, `rxe_NAME` on rxe0 (VM tier).
-macro_rules! on_both_providers {
-    ($($name:ident / $rxe:ident),* $(,)?) => {$(
-        #[test]
-        fn $rxe() {
-            bodies::$name(ProviderChoice::Verbs)
-        }
-        #[test]
-        fn $name() {
-            bodies::$name(ProviderChoice::Loopback)
-        }
-    )*};
-}
-
-on_both_providers!(
+crate::on_both_providers!(
     the_client_descriptor_and_the_registration_share_bytes
         / rxe_the_client_descriptor_and_the_registration_share_bytes,
     memory_once_exposed_is_never_handed_to_another_owner
