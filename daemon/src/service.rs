@@ -171,7 +171,7 @@ fn make_reloader(engine: Arc<Engine>, log: LogHandle, log_level_pinned: bool) ->
             }
             Err(e) => {
                 tracing::error!("configuration not reloaded, the previous one stays in force: {e}");
-                Err(e.to_string())
+                Err(e)
             }
         };
         notify(&[

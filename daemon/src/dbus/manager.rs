@@ -20,7 +20,7 @@ use crate::policy;
 
 /// Re-reads the configuration and applies it; `Err` carries the located config error.
 /// Provided by the service, which also tells systemd about the reload.
-pub type Reloader = Arc<dyn Fn() -> Result<(), String> + Send + Sync>;
+pub type Reloader = Arc<dyn Fn() -> Result<(), crate::config::ConfigError> + Send + Sync>;
 
 pub struct Manager {
     ctx: Arc<Context>,
@@ -71,7 +71,7 @@ impl Manager {
         self.ctx
             .blocking(move |_| reloader())
             .await?
-            .map_err(Error::InvalidArgument)
+            .map_err(|e| Error::InvalidArgument(e.to_string()))
     }
 
     /// Opens a session owned by the calling connection (no options yet). It ends with
