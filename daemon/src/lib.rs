@@ -2,7 +2,12 @@
 //! processes over D-Bus. The binary is a thin shell over this library.
 //!
 //! Layers, top to bottom (nothing flows up): [`dbus`] → [`policy`] → [`engine`] →
-//! [`provider`].
+//! [`provider`]. The D-Bus layer asks the policy layer to turn each caller into plain
+//! inputs (an owner, the limits in force, a scope, pool access) and calls the engine's one
+//! face, [`engine::Engine`], with them; the engine's submodules are private, and it never
+//! sees a caller. [`config`], [`memory`] and [`lock`] serve every layer; [`service`] is the
+//! top, starting the engine and serving the bus. `docs/architecture.md` has the imports each
+//! layer may make, the threads and the drop order.
 //!
 //! No `unsafe` outside the verbs provider ([`provider::verbs`]) and one test of [`memory`]:
 //! the shared memory the daemon maps is touched only through `rdmad_client::mapping`, which
