@@ -2,8 +2,8 @@
 
 use rdmad_client::Error;
 
-use crate::engine::EngineError;
 use crate::engine::ProviderError;
+use crate::engine::{EngineError, PoolError};
 use crate::policy::PolicyError;
 
 impl From<EngineError> for Error {
@@ -20,10 +20,17 @@ pub fn to_dbus_error(e: EngineError) -> Error {
         }
         EngineError::Config(_) | EngineError::InvalidArgument(_) => Error::InvalidArgument(message),
         EngineError::Provider(p) => provider_error(p),
-        EngineError::Startup(_) | EngineError::Io(_) => Error::DeviceError(message),
+        EngineError::DeviceUnusable(_) | EngineError::Os { .. } | EngineError::Random(_) => {
+            Error::DeviceError(message)
+        }
         EngineError::NotAuthorized(_) => Error::NotAuthorized(message),
         EngineError::Quota(_) => Error::QuotaExceeded(message),
-        EngineError::PoolExhausted(_) => Error::PoolExhausted(message),
+        EngineError::Pool(PoolError::Exhausted { .. }) => Error::PoolExhausted(message),
+        EngineError::Pool(PoolError::TooLarge { .. } | PoolError::Empty) => {
+            Error::InvalidArgument(message)
+        }
+        EngineError::Pool(PoolError::Memory { .. }) => Error::DeviceError(message),
+        EngineError::Pool(PoolError::Provider(p)) => provider_error(p),
     }
 }
 

@@ -48,7 +48,7 @@ pub fn open_devices(selection: &DeviceSelection) -> Result<Vec<DeviceEntry>, Eng
     let found: Vec<Arc<dyn Device>> = match selection.provider {
         ProviderChoice::Loopback => vec![loopback_device()],
         ProviderChoice::Verbs => verbs::open_devices().map_err(|e| match e {
-            ProviderError::NoDevices(why) => EngineError::Startup(format!(
+            ProviderError::NoDevices(why) => EngineError::DeviceUnusable(format!(
                 "provider \"verbs\" was asked for, but there is no RDMA device: {why}; \
                  use provider = \"auto\" or \"loopback\" to run without one"
             )),
@@ -64,7 +64,7 @@ pub fn open_devices(selection: &DeviceSelection) -> Result<Vec<DeviceEntry>, Eng
                 vec![loopback_device()]
             }
             Err(ProviderError::NoDevices(why)) => {
-                return Err(EngineError::Startup(format!(
+                return Err(EngineError::DeviceUnusable(format!(
                     "no RDMA device: {why}; and daemon.loopback_fallback is false"
                 )))
             }
@@ -89,7 +89,7 @@ pub fn open_devices(selection: &DeviceSelection) -> Result<Vec<DeviceEntry>, Eng
         let port = config.map_or(1, |c| c.port);
         let attrs = device.attributes()?;
         if port > attrs.port_count {
-            return Err(EngineError::Startup(format!(
+            return Err(EngineError::DeviceUnusable(format!(
                 "{}: port {port} is configured, but the device has ports 1..={}",
                 device.name(),
                 attrs.port_count
@@ -111,7 +111,7 @@ pub fn open_devices(selection: &DeviceSelection) -> Result<Vec<DeviceEntry>, Eng
         });
     }
     if entries.is_empty() {
-        return Err(EngineError::Startup("no device to serve".into()));
+        return Err(EngineError::DeviceUnusable("no device to serve".into()));
     }
     Ok(entries)
 }

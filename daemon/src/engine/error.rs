@@ -1,5 +1,6 @@
-//! What the engine's operations fail with. The D-Bus layer maps each variant to a D-Bus
-//! error name (`dbus/error.rs`), the one place the mapping is made.
+//! What the engine's operations fail with. Each variant keeps the error it comes from as
+//! its source; the D-Bus layer maps each variant to a D-Bus error name (`dbus/error.rs`),
+//! the one place the mapping is made.
 
 use super::pool::PoolError;
 use super::tenancy::QuotaError;
@@ -14,31 +15,36 @@ pub enum EngineError {
     Provider(#[from] ProviderError),
     #[error(transparent)]
     Config(#[from] ConfigError),
+    /// The host's devices cannot be served as configured (no device, no such port or GID).
     #[error("{0}")]
-    Startup(String),
+    DeviceUnusable(String),
     #[error("{0} does not exist")]
     NoSuchObject(String),
     #[error("{0}")]
     NotAuthorized(String),
     #[error(transparent)]
     Quota(#[from] QuotaError),
-    #[error("{0}")]
-    PoolExhausted(String),
+    #[error(transparent)]
+    Pool(#[from] PoolError),
     #[error("{0}")]
     InvalidArgument(String),
-    #[error("{0}")]
-    Io(String),
+    /// A call to the operating system failed: what rdmad was doing, and the error.
+    #[error("{what}: {source}")]
+    Os {
+        what: String,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("no random numbers: {0}")]
+    Random(#[from] getrandom::Error),
 }
 
-impl From<PoolError> for EngineError {
-    fn from(e: PoolError) -> Self {
-        match e {
-            PoolError::Exhausted { .. } => EngineError::PoolExhausted(e.to_string()),
-            PoolError::TooLarge { .. } | PoolError::Empty => {
-                EngineError::InvalidArgument(e.to_string())
-            }
-            PoolError::Memory { .. } => EngineError::Io(e.to_string()),
-            PoolError::Provider(p) => EngineError::Provider(p),
+impl EngineError {
+    /// An operating-system error met while doing `what`.
+    pub fn os(what: impl Into<String>, source: std::io::Error) -> EngineError {
+        EngineError::Os {
+            what: what.into(),
+            source,
         }
     }
 }

@@ -28,7 +28,7 @@ pub use crate::provider::{
 };
 pub use devices::DeviceSelection;
 pub use error::EngineError;
-pub use pool::{PoolStats, REGION_ACCESS};
+pub use pool::{PoolError, PoolStats, REGION_ACCESS};
 pub use qp::{ExportId, LocalEndpoint, QpId, QpOptions};
 pub use queue_pairs::{ExportHandout, QpHandout, RemoteRights};
 pub use registry::{
@@ -89,7 +89,7 @@ impl Engine {
             )));
         }
         let refill_thread = pool::spawn_refill_thread(pools.clone(), Arc::clone(&refill))
-            .map_err(|e| EngineError::Startup(format!("cannot start the refill thread: {e}")))?;
+            .map_err(|e| EngineError::os("cannot start the refill thread", e))?;
         refill.poke();
         let registry = Arc::new(Registry::default());
         let mut workers = std::collections::HashMap::new();
@@ -99,7 +99,7 @@ impl Engine {
                 Arc::downgrade(&registry),
                 std::time::Duration::from_micros(u64::from(config.daemon.worker_spin_us)),
             )
-            .map_err(|e| EngineError::Startup(format!("cannot start a data-path worker: {e}")))?;
+            .map_err(|e| EngineError::os("cannot start a data-path worker", e))?;
             workers.insert(entry.device.name().to_owned(), Arc::new(worker));
         }
         let listening: Vec<Arc<datapath::worker::Worker>> = workers.values().cloned().collect();

@@ -139,7 +139,7 @@ pub fn select_gid(entry: &DeviceEntry) -> Result<GidEntry, EngineError> {
     let gids = entry.device.gid_table(entry.port)?;
     let pick = match entry.gid_index {
         Some(index) => gids.iter().find(|g| g.index == index).ok_or_else(|| {
-            EngineError::Startup(format!(
+            EngineError::DeviceUnusable(format!(
                 "{}: gid_index {index} is configured, but port {} has no such GID",
                 entry.device.name(),
                 entry.port
@@ -151,7 +151,7 @@ pub fn select_gid(entry: &DeviceEntry) -> Result<GidEntry, EngineError> {
             .or_else(|| gids.iter().find(|g| g.gid_type == GidType::RoceV2))
             .or_else(|| gids.first())
             .ok_or_else(|| {
-                EngineError::Startup(format!(
+                EngineError::DeviceUnusable(format!(
                     "{} port {} has no GID: is its network interface up?",
                     entry.device.name(),
                     entry.port
@@ -164,7 +164,7 @@ pub fn select_gid(entry: &DeviceEntry) -> Result<GidEntry, EngineError> {
 /// A starting packet sequence number from the OS random generator (24 bits).
 fn random_psn() -> Result<u32, EngineError> {
     let mut b = [0u8; 4];
-    getrandom::fill(&mut b).map_err(|e| EngineError::Io(format!("no random numbers: {e}")))?;
+    getrandom::fill(&mut b)?;
     Ok(u32::from_le_bytes(b) & 0x00ff_ffff)
 }
 
@@ -196,10 +196,10 @@ pub fn create(
     )
     .ok_or_else(|| EngineError::InvalidArgument("queue depths too large for a ring".into()))?;
     let ring = SharedMemory::create(c"rdmad-qp-ring", layout.size())
-        .map_err(|e| EngineError::Io(format!("cannot create the QP's ring: {e}")))?;
+        .map_err(|e| EngineError::os("cannot create the QP's ring", e))?;
     for (offset, word) in layout.header_words() {
         ring.write_at(offset, &word.to_le_bytes())
-            .map_err(|e| EngineError::Io(e.to_string()))?;
+            .map_err(|e| EngineError::os("cannot write the QP's ring header", e))?;
     }
     let local = LocalEndpoint {
         gid: gid.gid,
@@ -221,9 +221,9 @@ pub fn create(
         ring: Arc::new(ring),
         layout,
         doorbell: WakePipe::doorbell()
-            .map_err(|e| EngineError::Io(format!("cannot create a doorbell pipe: {e}")))?,
+            .map_err(|e| EngineError::os("cannot create a doorbell pipe", e))?,
         completion_event: WakePipe::completions()
-            .map_err(|e| EngineError::Io(format!("cannot create a completion pipe: {e}")))?,
+            .map_err(|e| EngineError::os("cannot create a completion pipe", e))?,
         local,
         max_message: port.max_msg_sz,
         remote: Mutex::new(None),

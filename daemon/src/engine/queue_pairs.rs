@@ -88,7 +88,7 @@ impl Engine {
         }
         let dup = |fd: std::os::fd::BorrowedFd<'_>| {
             fd.try_clone_to_owned()
-                .map_err(|e| EngineError::Io(format!("cannot hand out queue pair {id}: {e}")))
+                .map_err(|e| EngineError::os(format!("cannot hand out queue pair {id}"), e))
         };
         let handout = (|| {
             Ok(QpHandout {
@@ -227,10 +227,9 @@ impl Engine {
         use crate::provider::{MwType, SendOp};
         let entry = self.device(&q.device)?;
         let window = entry.pd.alloc_mw(MwType::Type2)?;
-        let worker = self
-            .workers
-            .get(&q.device)
-            .ok_or_else(|| EngineError::Io(format!("no data-path worker for {}", q.device)))?;
+        let worker = self.workers.get(&q.device).ok_or_else(|| {
+            EngineError::DeviceUnusable(format!("no data-path worker for {}", q.device))
+        })?;
         worker
             .run(
                 qp_id,
@@ -249,7 +248,9 @@ impl Engine {
                         "queue pair {qp_id} (destroyed while the export was being made)"
                     ))
                 } else {
-                    EngineError::Io(format!("cannot bind a window over region {region}: {e}"))
+                    EngineError::DeviceUnusable(format!(
+                        "cannot bind a window over region {region}: {e}"
+                    ))
                 }
             })?;
         Ok(window)

@@ -94,9 +94,7 @@ impl Registry {
             Err(e) => {
                 unreserve(self);
                 pool.release(rounded);
-                return Err(EngineError::Io(format!(
-                    "cannot duplicate the region's memfd: {e}"
-                )));
+                return Err(EngineError::os("cannot duplicate the region's memfd", e));
             }
         };
         let mut s = self.lock();

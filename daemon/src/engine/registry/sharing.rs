@@ -16,8 +16,7 @@ impl Registry {
         access: AttachMode,
         lifetime: Option<Duration>,
     ) -> Result<(String, KeyId), EngineError> {
-        let (token, digest) =
-            token::new_token().map_err(|e| EngineError::Io(format!("no random numbers: {e}")))?;
+        let (token, digest) = token::new_token()?;
         let expires = match lifetime {
             Some(d) => Some(SystemTime::now().checked_add(d).ok_or_else(|| {
                 EngineError::InvalidArgument(format!("expiry {d:?} is too far away"))
@@ -125,7 +124,7 @@ impl Registry {
             AttachMode::ReadWrite => region.mr.memory().fd().try_clone_to_owned(),
             AttachMode::ReadOnly => reopen_read_only(region.mr.memory().fd()),
         }
-        .map_err(|e| EngineError::Io(format!("cannot hand out region {region_id}: {e}")))?;
+        .map_err(|e| EngineError::os(format!("cannot hand out region {region_id}"), e))?;
         let size = region.size();
         s.regions
             .get_mut(&region_id)
