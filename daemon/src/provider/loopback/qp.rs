@@ -1170,6 +1170,34 @@ fn write_plan(plan: &[(Registration, usize, usize)], data: &[u8]) {
 }
 
 impl LoopbackQp {
+    /// Why request `wr_id` with `sges` SGEs cannot join `queue`, which holds `queued`
+    /// requests, as request `posted` of the `total` in one post; `None` when it can.
+    fn refuse(
+        &self,
+        queue: &WorkQueue,
+        wr_id: u64,
+        sges: usize,
+        queued: usize,
+        (posted, total): (usize, usize),
+    ) -> Option<ProviderError> {
+        let max_sge = (queue.max_sge)(&self.inner);
+        if sges > max_sge {
+            return Some(self.invalid(format!(
+                "{} {wr_id:#x} has {sges} SGEs, more than {} {max_sge} ({posted} of {total} posted)",
+                queue.request, queue.sge_limit
+            )));
+        }
+        if queued >= (queue.max_wr)(&self.inner) {
+            tracing::debug!(
+                "loopback QP {:#x}: {} queue full, {posted} of {total} posted",
+                self.inner.qp_num,
+                queue.queue
+            );
+            return Some(os_error(self.name(), queue.verb, libc::ENOMEM));
+        }
+        None
+    }
+
     fn name(&self) -> &str {
         &self.inner.pd.device.name
     }
@@ -1325,24 +1353,11 @@ impl QueuePair for LoopbackQp {
                     )));
                     break;
                 }
-                if wr.sges.len() > self.inner.max_send_sge {
-                    refused = Some(self.invalid(format!(
-                        "work request {:#x} has {} SGEs, more than max_send_sge {} \
-                         ({posted} of {} posted)",
-                        wr.wr_id,
-                        wr.sges.len(),
-                        self.inner.max_send_sge,
-                        wrs.len()
-                    )));
-                    break;
-                }
-                if data.sq.len() >= self.inner.max_send_wr {
-                    tracing::debug!(
-                        "loopback QP {:#x}: send queue full, {posted} of {} posted",
-                        self.inner.qp_num,
-                        wrs.len()
-                    );
-                    refused = Some(os_error(self.name(), "ibv_post_send", libc::ENOMEM));
+                let (queued, asked) = (data.sq.len(), (posted, wrs.len()));
+                if let Some(error) =
+                    self.refuse(&SEND_QUEUE, wr.wr_id, wr.sges.len(), queued, asked)
+                {
+                    refused = Some(error);
                     break;
                 }
                 data.sq.push_back(Pending {
@@ -1372,24 +1387,11 @@ impl QueuePair for LoopbackQp {
             }
             peer = data.remote.as_ref().map(|r| r.qp_num);
             for wr in wrs {
-                if wr.sges.len() > self.inner.max_recv_sge {
-                    refused = Some(self.invalid(format!(
-                        "receive {:#x} has {} SGEs, more than max_recv_sge {} \
-                         ({posted} of {} posted)",
-                        wr.wr_id,
-                        wr.sges.len(),
-                        self.inner.max_recv_sge,
-                        wrs.len()
-                    )));
-                    break;
-                }
-                if data.rq.len() >= self.inner.max_recv_wr {
-                    tracing::debug!(
-                        "loopback QP {:#x}: receive queue full, {posted} of {} posted",
-                        self.inner.qp_num,
-                        wrs.len()
-                    );
-                    refused = Some(os_error(self.name(), "ibv_post_recv", libc::ENOMEM));
+                let (queued, asked) = (data.rq.len(), (posted, wrs.len()));
+                if let Some(error) =
+                    self.refuse(&RECV_QUEUE, wr.wr_id, wr.sges.len(), queued, asked)
+                {
+                    refused = Some(error);
                     break;
                 }
                 data.rq.push_back(wr.clone());
@@ -1456,3 +1458,34 @@ impl Drop for LoopbackQp {
         });
     }
 }
+/// One of a QP's two work queues, as `post_send` and `post_recv` check a request for it.
+struct WorkQueue {
+    /// What a request on it is called in errors.
+    request: &'static str,
+    /// The queue's name in logs.
+    queue: &'static str,
+    /// The QP attribute that limits a request's SGEs.
+    sge_limit: &'static str,
+    /// The verb a full queue fails, as a device would fail it.
+    verb: &'static str,
+    max_sge: fn(&QpInner) -> usize,
+    max_wr: fn(&QpInner) -> usize,
+}
+
+const SEND_QUEUE: WorkQueue = WorkQueue {
+    request: "work request",
+    queue: "send",
+    sge_limit: "max_send_sge",
+    verb: "ibv_post_send",
+    max_sge: |q| q.max_send_sge,
+    max_wr: |q| q.max_send_wr,
+};
+
+const RECV_QUEUE: WorkQueue = WorkQueue {
+    request: "receive",
+    queue: "receive",
+    sge_limit: "max_recv_sge",
+    verb: "ibv_post_recv",
+    max_sge: |q| q.max_recv_sge,
+    max_wr: |q| q.max_recv_wr,
+};
