@@ -96,7 +96,6 @@ impl Engine {
         for entry in &devices {
             let worker = datapath::worker::Worker::spawn(
                 entry.device.name(),
-                Arc::downgrade(&registry),
                 std::time::Duration::from_micros(u64::from(config.daemon.worker_spin_us)),
             )
             .map_err(|e| EngineError::Startup(format!("cannot start a data-path worker: {e}")))?;

@@ -14,7 +14,6 @@ use rdmad_client::ring::{self, header, Completion, Opcode, Status, Submission, S
 
 use super::validate::{self, RegionRights, Work};
 use crate::engine::qp::{QpId, QueuePairRecord};
-use crate::engine::Registry;
 use crate::lock::lock;
 use crate::provider::{MemoryRegion, PostError, WcOpcode, WcStatus, WorkCompletion};
 
@@ -449,13 +448,8 @@ fn drain(fd: BorrowedFd<'_>) {
 }
 
 impl Worker {
-    /// Starts the worker of `device`. It holds the registry weakly: the registry holds the
-    /// workers (through its queue-pair listener).
-    pub fn spawn(
-        device: &str,
-        registry: std::sync::Weak<Registry>,
-        spin: Duration,
-    ) -> std::io::Result<Worker> {
+    /// Starts the worker of `device`.
+    pub fn spawn(device: &str, spin: Duration) -> std::io::Result<Worker> {
         let qps = Arc::new(WorkerQps::default());
         let commands: Arc<Mutex<Vec<Command>>> = Arc::default();
         let wake = eventfd()?;
@@ -466,7 +460,7 @@ impl Worker {
             let wake = wake.try_clone()?;
             std::thread::Builder::new()
                 .name(format!("rdmad-dp-{device}"))
-                .spawn(move || run(&qps, &commands, &registry, &wake, &stop, spin))?
+                .spawn(move || run(&qps, &commands, &wake, &stop, spin))?
         };
         Ok(Worker {
             qps,
@@ -529,7 +523,6 @@ impl Drop for Worker {
 fn run(
     shared: &WorkerQps,
     commands: &Mutex<Vec<Command>>,
-    registry: &std::sync::Weak<Registry>,
     wake: &OwnedFd,
     stop: &std::sync::atomic::AtomicBool,
     spin: Duration,
@@ -569,10 +562,7 @@ fn run(
         for q in &mut qps {
             let sq_tail = q.record.ring.load_u32(header::SQ_TAIL).unwrap_or(q.sq_head);
             if sq_tail != q.sq_head && q.can_consume() {
-                let rights = registry
-                    .upgrade()
-                    .and_then(|r| r.session_rights(q.record.session))
-                    .unwrap_or_default();
+                let rights = q.record.rights.load();
                 busy |= q.consume(&rights);
             }
             busy |= q.reap();

@@ -17,6 +17,7 @@ use std::os::fd::OwnedFd;
 use std::sync::{Arc, Mutex};
 use std::time::SystemTime;
 
+use super::datapath::rights::SessionRights;
 use super::pool::Pool;
 use super::qp::{self, Export, ExportId, QpId, QpOptions, QueuePairRecord};
 use super::tenancy::{self, Limits, Owner, PoolAccess, Scope, Usage};
@@ -62,6 +63,9 @@ struct Session {
     regions: BTreeSet<RegionId>,
     attachments: BTreeMap<RegionId, AttachMode>,
     qps: BTreeSet<QpId>,
+    /// What its queue pairs may touch, as their worker sees it (kept up to date by
+    /// [`Registry::refresh_rights`]).
+    rights: Arc<SessionRights>,
 }
 
 #[derive(Debug)]

@@ -27,10 +27,12 @@ impl Registry {
             if let Some(attacher) = s.sessions.get_mut(session) {
                 attacher.attachments.remove(&id);
             }
+            Self::refresh_rights(s, *session);
         }
         if let Some(owner) = s.sessions.get_mut(&region.session) {
             owner.regions.remove(&id);
         }
+        Self::refresh_rights(s, region.session);
         let size = region.size();
         if let Some(usage) = s.usage.get_mut(&region.owner_uid) {
             usage.sub(QuotaKind::Regions, 1);
@@ -129,6 +131,7 @@ impl Registry {
                 exports: BTreeSet::new(),
             },
         );
+        Self::refresh_rights(&s, session);
         Ok(Handout {
             region: id,
             fd,

@@ -8,6 +8,7 @@ use std::time::Duration;
 
 mod bodies;
 mod exports;
+mod rights;
 mod windows;
 
 /// One body, two tests: `NAME` on loopback, `rxe_NAME` on rxe0 (VM tier).
