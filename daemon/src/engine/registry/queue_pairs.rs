@@ -70,7 +70,7 @@ impl Registry {
     }
 
     /// Destroys a queue pair (its owner only); its windows go first.
-    pub fn destroy_qp(&self, owner: &Owner, id: QpId) -> Result<(), EngineError> {
+    pub fn destroy_qp(&self, owner: &Owner, id: QpId) -> Result<Teardown<'_>, EngineError> {
         self.own_qp(owner, id)?;
         let mut s = self.lock();
         let Some(record) = s.qps.remove(&id) else {
@@ -86,9 +86,11 @@ impl Registry {
         }
         Self::forget_idle_user(&mut s, record.owner_uid);
         garbage.qps.push(record);
-        drop(s);
-        self.release(&[id], garbage);
-        Ok(())
+        let removed = Removed {
+            qps: vec![id],
+            ..Removed::default()
+        };
+        Ok(self.teardown(s, removed, garbage))
     }
 
     /// Records a window bound over region `id` through `qp`, keeping the `exports` use

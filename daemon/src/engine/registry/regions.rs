@@ -164,15 +164,15 @@ impl Registry {
 
     /// Frees a region: its keys die, its attachments end, its registration is dropped and
     /// its memory is never handed out again.
-    pub fn free(&self, owner: &Owner, id: RegionId) -> Result<(), EngineError> {
+    pub fn free(&self, owner: &Owner, id: RegionId) -> Result<Teardown<'_>, EngineError> {
         let mut s = self.lock();
         Self::own_region(&s, owner, id)?;
-        let garbage = Self::remove_region(&mut s, id);
-        drop(s);
-        if let Some(g) = garbage {
-            self.release(&[], g);
-        }
-        Ok(())
+        let garbage = Self::remove_region(&mut s, id).unwrap_or_default();
+        let removed = Removed {
+            regions: vec![id],
+            ..Removed::default()
+        };
+        Ok(self.teardown(s, removed, garbage))
     }
 
     /// The registration of a region `owner`'s connection owns, and its device.

@@ -38,7 +38,7 @@ impl Registry {
         owner: &Owner,
         scope: Scope,
         id: SessionId,
-    ) -> Result<Removed, EngineError> {
+    ) -> Result<Teardown<'_>, EngineError> {
         let mut s = self.lock();
         let session = s
             .sessions
@@ -50,21 +50,20 @@ impl Registry {
             )));
         }
         let (removed, garbage) = Self::remove_session(&mut s, id);
-        self.release_sessions(s, &removed, garbage);
-        Ok(removed)
+        Ok(self.teardown(s, removed, garbage))
     }
 
     /// Closes every session of a bus connection that left the bus.
-    pub fn close_sessions_of(&self, connection: &str) -> Removed {
+    pub fn close_sessions_of(&self, connection: &str) -> Teardown<'_> {
         self.close_where(|session| session.owner.connection == connection)
     }
 
     /// Closes everything (shutdown).
-    pub fn close_all(&self) -> Removed {
+    pub fn close_all(&self) -> Teardown<'_> {
         self.close_where(|_| true)
     }
 
-    pub(super) fn close_where(&self, pick: impl Fn(&Session) -> bool) -> Removed {
+    pub(super) fn close_where(&self, pick: impl Fn(&Session) -> bool) -> Teardown<'_> {
         let mut s = self.lock();
         let ids: Vec<SessionId> = s
             .sessions
@@ -79,8 +78,7 @@ impl Registry {
             all.extend(removed);
             garbage.extend(g);
         }
-        self.release_sessions(s, &all, garbage);
-        all
+        self.teardown(s, all, garbage)
     }
 
     pub(super) fn remove_session(s: &mut State, id: SessionId) -> (Removed, Garbage) {
