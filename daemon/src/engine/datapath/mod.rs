@@ -3,6 +3,9 @@
 //! device; completions go back the same way.
 
 pub mod rights;
+mod served;
+#[cfg(test)]
+mod tests;
 pub mod validate;
 pub mod wakeup;
 pub mod worker;
