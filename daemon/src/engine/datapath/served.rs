@@ -10,6 +10,7 @@ use std::sync::Arc;
 use rdmad_client::ring::{self, header, Completion, Opcode, Status, Submission, SQE_SIZE};
 
 use super::validate::{self, RegionRights, Work};
+use super::worker::{Reply, WorkerError};
 use crate::engine::qp::{QpId, QueuePairRecord};
 use crate::provider::{MemoryRegion, PostError, WcOpcode, WcStatus, WorkCompletion};
 
@@ -32,7 +33,7 @@ pub(super) struct ServedQp {
     pub(super) id: QpId,
     pub(super) record: Arc<QueuePairRecord>,
     /// The daemon's own requests (window binds and invalidations) and who waits for them.
-    internal: HashMap<u64, std::sync::mpsc::Sender<Result<(), String>>>,
+    internal: HashMap<u64, Reply>,
     pub(super) sq_head: u32,
     cq_tail: u32,
     next_wr: u64,
@@ -247,7 +248,7 @@ impl ServedQp {
                 self.sends -= 1;
                 let result = match wc.status {
                     WcStatus::Success => Ok(()),
-                    other => Err(format!("the device answered {other:?}")),
+                    other => Err(WorkerError::Completion(other)),
                 };
                 let _ = waiter.send(result);
                 continue;
@@ -328,13 +329,9 @@ impl ServedQp {
 const INTERNAL: u64 = 1 << 63;
 
 impl ServedQp {
-    pub(super) fn run_command(
-        &mut self,
-        op: crate::provider::SendOp,
-        reply: std::sync::mpsc::Sender<Result<(), String>>,
-    ) {
+    pub(super) fn run_command(&mut self, op: crate::provider::SendOp, reply: Reply) {
         if self.sends >= self.record.options.send_depth {
-            let _ = reply.send(Err("the queue pair's send queue is full".into()));
+            let _ = reply.send(Err(WorkerError::SendQueueFull));
             return;
         }
         let wr_id = INTERNAL | self.next_wr;
@@ -351,7 +348,7 @@ impl ServedQp {
                 self.internal.insert(wr_id, reply);
             }
             Err(e) => {
-                let _ = reply.send(Err(e.to_string()));
+                let _ = reply.send(Err(WorkerError::Post(e)));
             }
         }
     }

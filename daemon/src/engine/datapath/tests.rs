@@ -138,3 +138,32 @@ fn a_client_that_never_reads_completions_is_held_to_a_bound() {
         Some((submitted, Status::RegionAccessDenied))
     );
 }
+
+/// What the engine's callers put after "cannot bind a window over region N: " and
+/// "invalidation failed: ": the messages the worker's errors always had.
+#[test]
+fn worker_errors_keep_their_messages() {
+    use super::worker::WorkerError;
+    use crate::provider::WcStatus;
+    for (error, message) in [
+        (
+            WorkerError::Completion(WcStatus::MemoryWindowBindError),
+            "the device answered MemoryWindowBindError",
+        ),
+        (
+            WorkerError::SendQueueFull,
+            "the queue pair's send queue is full",
+        ),
+        (WorkerError::NotServed(7), "queue pair 7 is not served"),
+        (
+            WorkerError::TimedOut,
+            "the device did not complete the request within 60 s",
+        ),
+        (
+            WorkerError::Stopped,
+            "the device did not complete the request within 60 s",
+        ),
+    ] {
+        assert_eq!(error.to_string(), message);
+    }
+}

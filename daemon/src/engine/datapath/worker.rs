@@ -15,6 +15,7 @@ use rdmad_client::ring::header;
 use super::served::ServedQp;
 use crate::engine::qp::{QpId, QueuePairRecord};
 use crate::lock::lock;
+use crate::provider::{PostError, WcStatus};
 
 /// The QPs a worker serves, shared with the engine that adds and removes them.
 #[derive(Debug, Default)]
@@ -27,12 +28,37 @@ pub struct WorkerQps {
     applied_cv: std::sync::Condvar,
 }
 
+/// Why work the engine asked a worker to post ([`Worker::run`]) did not complete.
+#[derive(Debug, thiserror::Error)]
+pub enum WorkerError {
+    /// The device refused to post it.
+    #[error(transparent)]
+    Post(#[from] PostError),
+    /// The device completed it with an error.
+    #[error("the device answered {0:?}")]
+    Completion(WcStatus),
+    #[error("the queue pair's send queue is full")]
+    SendQueueFull,
+    #[error("queue pair {0} is not served")]
+    NotServed(QpId),
+    /// No completion within the bound [`Worker::run`] waits.
+    #[error("the device did not complete the request within 60 s")]
+    TimedOut,
+    /// The worker dropped the request unanswered: it stopped, or let go of the queue pair
+    /// first. (Reported with the time-out's message, as it always was.)
+    #[error("the device did not complete the request within 60 s")]
+    Stopped,
+}
+
+/// Where a worker sends the outcome of a command.
+pub type Reply = std::sync::mpsc::Sender<Result<(), WorkerError>>;
+
 /// Work the engine asks a worker to post on a QP: memory-window binds and invalidations
 /// go through the QP's own send queue, so they are ordered with the client's requests.
 pub struct Command {
     pub qp: QpId,
     pub op: crate::provider::SendOp,
-    pub reply: std::sync::mpsc::Sender<Result<(), String>>,
+    pub reply: Reply,
 }
 
 impl WorkerQps {
@@ -113,13 +139,14 @@ impl Worker {
 
     /// Posts `op` on QP `qp` and waits for its completion (bounded: a device that never
     /// answers is an error, not a hang).
-    pub fn run(&self, qp: QpId, op: crate::provider::SendOp) -> Result<(), String> {
+    pub fn run(&self, qp: QpId, op: crate::provider::SendOp) -> Result<(), WorkerError> {
         let (reply, answer) = std::sync::mpsc::channel();
         lock(&self.commands).push(Command { qp, op, reply });
         self.poke();
         match answer.recv_timeout(Duration::from_secs(60)) {
             Ok(result) => result,
-            Err(_) => Err("the device did not complete the request within 60 s".into()),
+            Err(std::sync::mpsc::RecvTimeoutError::Timeout) => Err(WorkerError::TimedOut),
+            Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => Err(WorkerError::Stopped),
         }
     }
 
@@ -193,9 +220,7 @@ fn run(
             match qps.iter_mut().find(|q| q.id == command.qp) {
                 Some(q) => q.run_command(command.op, command.reply),
                 None => {
-                    let _ = command
-                        .reply
-                        .send(Err(format!("queue pair {} is not served", command.qp)));
+                    let _ = command.reply.send(Err(WorkerError::NotServed(command.qp)));
                 }
             }
         }
