@@ -49,7 +49,7 @@ use registry::Registry;
 #[derive(Debug)]
 pub struct Engine {
     /// Sessions, regions, keys and queue pairs.
-    registry: Arc<Registry>,
+    registry: Registry,
     /// One data-path worker per device, by device name.
     workers: std::collections::HashMap<String, Arc<datapath::worker::Worker>>,
     pools: Vec<Arc<Pool>>,
@@ -91,32 +91,16 @@ impl Engine {
         let refill_thread = pool::spawn_refill_thread(pools.clone(), Arc::clone(&refill))
             .map_err(|e| EngineError::os("cannot start the refill thread", e))?;
         refill.poke();
-        let registry = Arc::new(Registry::default());
+        let registry = Registry::default();
         let mut workers = std::collections::HashMap::new();
         for entry in &devices {
             let worker = datapath::worker::Worker::spawn(
                 entry.device.name(),
-                Arc::downgrade(&registry),
                 std::time::Duration::from_micros(u64::from(config.daemon.worker_spin_us)),
             )
             .map_err(|e| EngineError::os("cannot start a data-path worker", e))?;
             workers.insert(entry.device.name().to_owned(), Arc::new(worker));
         }
-        let listening: Vec<Arc<datapath::worker::Worker>> = workers.values().cloned().collect();
-        registry.set_qp_listener(Box::new(move |ids| {
-            for worker in &listening {
-                worker.remove(ids);
-            }
-        }));
-        let retrying: Vec<std::sync::Weak<dyn crate::provider::Device>> = devices
-            .iter()
-            .map(|entry| Arc::downgrade(&entry.device))
-            .collect();
-        registry.set_release_listener(Box::new(move || {
-            for device in retrying.iter().filter_map(std::sync::Weak::upgrade) {
-                device.retry_lingering();
-            }
-        }));
         let engine = Engine {
             registry,
             workers,
@@ -256,6 +240,32 @@ impl Engine {
         retry_lingering_on(&self.devices)
     }
 
+    /// Releases what a teardown took out of the registry; returns what it removed. Windows
+    /// go first, whatever the data-path workers do: their rkeys die at once, and no window
+    /// is left to outlive its memory. Then the workers let go of the removed QPs (bounded:
+    /// a worker that does not in time keeps its QPs until it does, and then destroys them
+    /// itself), then the QPs go, then the registrations; then what the devices refused to
+    /// destroy is tried again. The removed sessions count as sessions until all that is
+    /// done.
+    fn release(&self, teardown: registry::Teardown<'_>) -> Removed {
+        let registry::Teardown {
+            removed,
+            garbage: registry::Garbage { windows, qps, mrs },
+            releasing,
+        } = teardown;
+        drop(windows);
+        if !removed.qps.is_empty() {
+            for worker in self.workers.values() {
+                worker.remove(&removed.qps);
+            }
+        }
+        drop(qps);
+        drop(mrs);
+        self.retry_lingering();
+        drop(releasing);
+        removed
+    }
+
     /// Provider objects alive on all devices (the daemon's own PDs included).
     pub fn provider_counts(&self) -> ObjectCounts {
         let mut total = ObjectCounts::default();
@@ -299,7 +309,7 @@ impl Engine {
     /// Releases everything, children before parents. Provider objects log their own
     /// failures on drop and never stop the teardown, so nothing is left behind.
     pub fn shutdown(self) {
-        let removed = self.registry.close_all();
+        let removed = self.close_all();
         if !removed.sessions.is_empty() {
             tracing::info!(
                 sessions = removed.sessions.len(),

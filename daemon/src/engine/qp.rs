@@ -8,6 +8,7 @@ use std::sync::{Arc, Mutex};
 
 use rdmad_client::ring::Layout;
 
+use super::datapath::rights::SessionRights;
 use super::datapath::wakeup::WakePipe;
 use super::{DeviceEntry, EngineError};
 use crate::memory::SharedMemory;
@@ -110,6 +111,8 @@ pub struct LocalEndpoint {
 #[derive(Debug)]
 pub struct QueuePairRecord {
     pub session: super::SessionId,
+    /// What the session's queue pairs may touch: the worker reads it for every batch.
+    pub rights: Arc<SessionRights>,
     pub owner_uid: u32,
     pub device: String,
     pub options: QpOptions,
@@ -174,6 +177,7 @@ pub fn create(
     session: super::SessionId,
     owner_uid: u32,
     options: QpOptions,
+    rights: Arc<SessionRights>,
 ) -> Result<QueuePairRecord, EngineError> {
     options.check(entry.device.as_ref())?;
     let gid = select_gid(entry)?;
@@ -212,6 +216,7 @@ pub fn create(
     };
     Ok(QueuePairRecord {
         session,
+        rights,
         owner_uid,
         device: entry.device.name().to_owned(),
         options,

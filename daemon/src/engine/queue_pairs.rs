@@ -103,7 +103,9 @@ impl Engine {
             })
         })();
         if handout.is_err() {
-            let _ = self.registry.destroy_qp(owner, id);
+            if let Ok(teardown) = self.registry.destroy_qp(owner, id) {
+                self.release(teardown);
+            }
         }
         handout
     }
@@ -136,11 +138,8 @@ impl Engine {
     /// Destroys queue pair `id` (`owner`'s connection's), its windows first; returns what
     /// was removed.
     pub fn destroy_qp(&self, owner: &Owner, id: QpId) -> Result<Removed, EngineError> {
-        self.registry.destroy_qp(owner, id)?;
-        Ok(Removed {
-            qps: vec![id],
-            ..Removed::default()
-        })
+        let teardown = self.registry.destroy_qp(owner, id)?;
+        Ok(self.release(teardown))
     }
 
     /// Queue pair `id` (`owner`'s connection's), its state read from the device (may

@@ -16,18 +16,19 @@ impl Engine {
         scope: Scope,
         id: SessionId,
     ) -> Result<Removed, EngineError> {
-        self.registry.close_session(owner, scope, id)
+        let teardown = self.registry.close_session(owner, scope, id)?;
+        Ok(self.release(teardown))
     }
 
     /// Closes every session of a bus connection that left the bus; returns what was
     /// removed.
     pub fn close_sessions_of(&self, connection: &str) -> Removed {
-        self.registry.close_sessions_of(connection)
+        self.release(self.registry.close_sessions_of(connection))
     }
 
     /// Closes every session (the bus is going away); returns what was removed.
     pub fn close_all(&self) -> Removed {
-        self.registry.close_all()
+        self.release(self.registry.close_all())
     }
 
     pub fn session(
@@ -63,11 +64,8 @@ impl Engine {
 
     /// Frees region `id` (`owner`'s connection's); returns what was removed.
     pub fn free(&self, owner: &Owner, id: RegionId) -> Result<Removed, EngineError> {
-        self.registry.free(owner, id)?;
-        Ok(Removed {
-            regions: vec![id],
-            ..Removed::default()
-        })
+        let teardown = self.registry.free(owner, id)?;
+        Ok(self.release(teardown))
     }
 
     /// Creates an access key for region `id` (`owner`'s connection's), within `limits`;

@@ -2,6 +2,10 @@
 //! out, checked and translated (`validate`), and posted to the device by a worker per
 //! device; completions go back the same way.
 
+pub mod rights;
+mod served;
+#[cfg(test)]
+mod tests;
 pub mod validate;
 pub mod wakeup;
 pub mod worker;

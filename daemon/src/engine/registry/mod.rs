@@ -17,6 +17,7 @@ use std::os::fd::OwnedFd;
 use std::sync::{Arc, Mutex};
 use std::time::SystemTime;
 
+use super::datapath::rights::SessionRights;
 use super::pool::Pool;
 use super::qp::{self, Export, ExportId, QpId, QpOptions, QueuePairRecord};
 use super::tenancy::{self, Limits, Owner, PoolAccess, Scope, Usage};
@@ -62,6 +63,9 @@ struct Session {
     regions: BTreeSet<RegionId>,
     attachments: BTreeMap<RegionId, AttachMode>,
     qps: BTreeSet<QpId>,
+    /// What its queue pairs may touch, as their worker sees it (kept up to date by
+    /// [`Registry::refresh_rights`]).
+    rights: Arc<SessionRights>,
 }
 
 #[derive(Debug)]
@@ -104,9 +108,8 @@ struct State {
     last_key: KeyId,
     last_qp: QpId,
     last_export: ExportId,
-    /// Sessions taken out of the registry whose objects are still being released. They
-    /// still count as sessions ([`Registry::counts`]), so that whoever sees the count of
-    /// sessions drop also sees what they held released: provider objects, pool space.
+    /// Sessions taken out of the registry whose objects are still being released (see
+    /// [`Releasing`]).
     releasing: usize,
 }
 
@@ -161,12 +164,41 @@ impl TakenWindow {
 
 /// Device objects released outside the lock (destruction can be slow). Windows are always
 /// taken out of their queue pairs explicitly — never left inside one that someone else
-/// (a data-path worker slow to let go) may still hold — and go first.
+/// (a data-path worker slow to let go) may still hold — and go first. Fields drop in
+/// release order, should garbage be dropped as it is.
 #[derive(Default)]
-struct Garbage {
-    windows: Vec<TakenWindow>,
-    qps: Vec<Arc<QueuePairRecord>>,
-    mrs: Vec<Arc<dyn MemoryRegion>>,
+pub struct Garbage {
+    pub windows: Vec<TakenWindow>,
+    pub qps: Vec<Arc<QueuePairRecord>>,
+    pub mrs: Vec<Arc<dyn MemoryRegion>>,
+}
+
+/// What a teardown took out of the registry: what it removed, for the D-Bus layer, and
+/// the device objects the engine must release, outside the lock and in order (windows,
+/// then — once the data-path workers let go of the removed QPs — the QPs, then the
+/// registrations; see `Engine::release`).
+#[must_use = "the engine releases what a teardown removed"]
+pub struct Teardown<'a> {
+    pub removed: Removed,
+    pub garbage: Garbage,
+    /// Dropped last: the removed sessions count as sessions until then.
+    pub releasing: Releasing<'a>,
+}
+
+/// Sessions taken out of the registry whose objects are still being released: they count
+/// as sessions ([`Registry::counts`]) until this is dropped, so that whoever sees the count
+/// of sessions drop also sees what they held released: provider objects, pool space.
+pub struct Releasing<'a> {
+    registry: &'a Registry,
+    sessions: usize,
+}
+
+impl Drop for Releasing<'_> {
+    fn drop(&mut self) {
+        if self.sessions > 0 {
+            self.registry.lock().releasing -= self.sessions;
+        }
+    }
 }
 
 impl Garbage {
@@ -208,26 +240,9 @@ fn not_authorized(message: impl Into<String>) -> EngineError {
     EngineError::NotAuthorized(message.into())
 }
 
-/// Told which queue pairs were removed, before they are released (the data-path workers
-/// let go of them).
-pub type QpListener = Box<dyn Fn(&[QpId]) + Send + Sync>;
-
-/// Told after every teardown.
-pub type ReleaseListener = Box<dyn Fn() + Send + Sync>;
-
-#[derive(Default)]
+#[derive(Debug, Default)]
 pub struct Registry {
     state: Mutex<State>,
-    qp_listener: std::sync::OnceLock<QpListener>,
-    release_listener: std::sync::OnceLock<ReleaseListener>,
-}
-
-impl std::fmt::Debug for Registry {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Registry")
-            .field("state", &self.state)
-            .finish_non_exhaustive()
-    }
 }
 
 /// The registry's state, locked. While it is held, user and group lookups (NSS, which may
@@ -260,41 +275,6 @@ impl Registry {
         }
     }
 
-    /// Sets who hears of removed queue pairs (once).
-    pub fn set_qp_listener(&self, listener: QpListener) {
-        if self.qp_listener.set(listener).is_err() {
-            tracing::error!("the queue-pair listener was set twice");
-        }
-    }
-
-    /// Sets what runs after every teardown (once): the engine retries what the devices
-    /// refused to destroy.
-    pub fn set_release_listener(&self, listener: ReleaseListener) {
-        if self.release_listener.set(listener).is_err() {
-            tracing::error!("the release listener was set twice");
-        }
-    }
-
-    /// Releases what a teardown removed. Windows go first, whatever the data-path workers
-    /// do: their rkeys die at once, and no window is left to outlive its memory. Then the
-    /// listener has the workers let go of the removed QPs (bounded: a worker that does not
-    /// in time keeps its QPs until it does, and then destroys them itself), then the QPs,
-    /// then the registrations.
-    fn release(&self, removed_qps: &[QpId], garbage: Garbage) {
-        let Garbage { windows, qps, mrs } = garbage;
-        drop(windows);
-        if !removed_qps.is_empty() {
-            if let Some(listener) = self.qp_listener.get() {
-                listener(removed_qps);
-            }
-        }
-        drop(qps);
-        drop(mrs);
-        if let Some(listener) = self.release_listener.get() {
-            listener();
-        }
-    }
-
     /// Sessions (those still being released included), regions and keys.
     pub fn counts(&self) -> (usize, usize, usize) {
         let s = self.lock();
@@ -305,19 +285,25 @@ impl Registry {
         )
     }
 
-    /// Releases what removed sessions held, outside the lock (`s`), counting them as
-    /// sessions until it is done.
-    fn release_sessions(&self, mut s: Locked<'_>, removed: &Removed, garbage: Garbage) {
-        struct Releasing<'a>(&'a Registry, usize);
-        impl Drop for Releasing<'_> {
-            fn drop(&mut self) {
-                self.0.lock().releasing -= self.1;
-            }
-        }
-        s.releasing += removed.sessions.len();
+    /// Hands out what a teardown took out under the lock `s`, counting the sessions it
+    /// removed as sessions until the engine has released it all.
+    fn teardown<'a>(
+        &'a self,
+        mut s: Locked<'_>,
+        removed: Removed,
+        garbage: Garbage,
+    ) -> Teardown<'a> {
+        let sessions = removed.sessions.len();
+        s.releasing += sessions;
         drop(s);
-        let _done = Releasing(self, removed.sessions.len());
-        self.release(&removed.qps, garbage);
+        Teardown {
+            removed,
+            garbage,
+            releasing: Releasing {
+                registry: self,
+                sessions,
+            },
+        }
     }
 
     pub fn qp_count(&self) -> usize {

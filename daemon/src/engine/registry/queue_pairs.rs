@@ -15,15 +15,16 @@ impl Registry {
         entry: &DeviceEntry,
         options: QpOptions,
     ) -> Result<(QpId, Arc<QueuePairRecord>), EngineError> {
-        {
+        let rights = {
             let mut s = self.lock();
-            Self::own_session(&mut s, owner, session)?;
+            let rights = Arc::clone(&Self::own_session(&mut s, owner, session)?.rights);
             let usage = s.usage.entry(owner.uid).or_default();
             tenancy::check(limits, usage, QuotaKind::Qps, 1)?;
             usage.add(QuotaKind::Qps, 1);
-        }
+            rights
+        };
         let unreserve = |registry: &Registry| registry.unreserve(owner.uid, &[(QuotaKind::Qps, 1)]);
-        let record = match qp::create(entry, session, owner.uid, options) {
+        let record = match qp::create(entry, session, owner.uid, options, rights) {
             Ok(r) => Arc::new(r),
             Err(e) => {
                 unreserve(self);
@@ -69,7 +70,7 @@ impl Registry {
     }
 
     /// Destroys a queue pair (its owner only); its windows go first.
-    pub fn destroy_qp(&self, owner: &Owner, id: QpId) -> Result<(), EngineError> {
+    pub fn destroy_qp(&self, owner: &Owner, id: QpId) -> Result<Teardown<'_>, EngineError> {
         self.own_qp(owner, id)?;
         let mut s = self.lock();
         let Some(record) = s.qps.remove(&id) else {
@@ -85,9 +86,11 @@ impl Registry {
         }
         Self::forget_idle_user(&mut s, record.owner_uid);
         garbage.qps.push(record);
-        drop(s);
-        self.release(&[id], garbage);
-        Ok(())
+        let removed = Removed {
+            qps: vec![id],
+            ..Removed::default()
+        };
+        Ok(self.teardown(s, removed, garbage))
     }
 
     /// Records a window bound over region `id` through `qp`, keeping the `exports` use
@@ -161,30 +164,5 @@ impl Registry {
                 "export {export} (its queue pair is gone)"
             )))?;
         Ok((qp, taken))
-    }
-
-    /// What the session's QPs may touch: its own regions read-write, attached regions as
-    /// their key allowed.
-    pub fn session_rights(
-        &self,
-        session: SessionId,
-    ) -> Option<crate::engine::datapath::validate::RegionRights> {
-        use crate::engine::datapath::validate::RegionRight;
-        let s = self.lock();
-        let x = s.sessions.get(&session)?;
-        let owned = x.regions.iter().map(|id| (*id, true));
-        let attached = x
-            .attachments
-            .iter()
-            .map(|(id, mode)| (*id, *mode == AttachMode::ReadWrite));
-        Some(
-            owned
-                .chain(attached)
-                .filter_map(|(id, writable)| {
-                    let mr = Arc::clone(&s.regions.get(&id)?.mr);
-                    Some((id, RegionRight { mr, writable }))
-                })
-                .collect(),
-        )
     }
 }

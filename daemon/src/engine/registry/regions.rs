@@ -27,10 +27,12 @@ impl Registry {
             if let Some(attacher) = s.sessions.get_mut(session) {
                 attacher.attachments.remove(&id);
             }
+            Self::refresh_rights(s, *session);
         }
         if let Some(owner) = s.sessions.get_mut(&region.session) {
             owner.regions.remove(&id);
         }
+        Self::refresh_rights(s, region.session);
         let size = region.size();
         if let Some(usage) = s.usage.get_mut(&region.owner_uid) {
             usage.sub(QuotaKind::Regions, 1);
@@ -127,6 +129,7 @@ impl Registry {
                 exports: BTreeSet::new(),
             },
         );
+        Self::refresh_rights(&s, session);
         Ok(Handout {
             region: id,
             fd,
@@ -159,15 +162,15 @@ impl Registry {
 
     /// Frees a region: its keys die, its attachments end, its registration is dropped and
     /// its memory is never handed out again.
-    pub fn free(&self, owner: &Owner, id: RegionId) -> Result<(), EngineError> {
+    pub fn free(&self, owner: &Owner, id: RegionId) -> Result<Teardown<'_>, EngineError> {
         let mut s = self.lock();
         Self::own_region(&s, owner, id)?;
-        let garbage = Self::remove_region(&mut s, id);
-        drop(s);
-        if let Some(g) = garbage {
-            self.release(&[], g);
-        }
-        Ok(())
+        let garbage = Self::remove_region(&mut s, id).unwrap_or_default();
+        let removed = Removed {
+            regions: vec![id],
+            ..Removed::default()
+        };
+        Ok(self.teardown(s, removed, garbage))
     }
 
     /// The registration of a region `owner`'s connection owns, and its device.

@@ -1,7 +1,10 @@
 //! Opening and closing sessions; a session's objects go with it.
 
 use std::collections::{BTreeMap, BTreeSet};
+use std::sync::Arc;
 use std::time::SystemTime;
+
+use crate::engine::datapath::validate::{RegionRight, RegionRights};
 
 use super::*;
 
@@ -22,6 +25,7 @@ impl Registry {
                 regions: BTreeSet::new(),
                 attachments: BTreeMap::new(),
                 qps: BTreeSet::new(),
+                rights: Arc::default(),
             },
         );
         Ok(id)
@@ -34,7 +38,7 @@ impl Registry {
         owner: &Owner,
         scope: Scope,
         id: SessionId,
-    ) -> Result<Removed, EngineError> {
+    ) -> Result<Teardown<'_>, EngineError> {
         let mut s = self.lock();
         let session = s
             .sessions
@@ -46,21 +50,20 @@ impl Registry {
             )));
         }
         let (removed, garbage) = Self::remove_session(&mut s, id);
-        self.release_sessions(s, &removed, garbage);
-        Ok(removed)
+        Ok(self.teardown(s, removed, garbage))
     }
 
     /// Closes every session of a bus connection that left the bus.
-    pub fn close_sessions_of(&self, connection: &str) -> Removed {
+    pub fn close_sessions_of(&self, connection: &str) -> Teardown<'_> {
         self.close_where(|session| session.owner.connection == connection)
     }
 
     /// Closes everything (shutdown).
-    pub fn close_all(&self) -> Removed {
+    pub fn close_all(&self) -> Teardown<'_> {
         self.close_where(|_| true)
     }
 
-    pub(super) fn close_where(&self, pick: impl Fn(&Session) -> bool) -> Removed {
+    pub(super) fn close_where(&self, pick: impl Fn(&Session) -> bool) -> Teardown<'_> {
         let mut s = self.lock();
         let ids: Vec<SessionId> = s
             .sessions
@@ -75,8 +78,7 @@ impl Registry {
             all.extend(removed);
             garbage.extend(g);
         }
-        self.release_sessions(s, &all, garbage);
-        all
+        self.teardown(s, all, garbage)
     }
 
     pub(super) fn remove_session(s: &mut State, id: SessionId) -> (Removed, Garbage) {
@@ -86,6 +88,9 @@ impl Registry {
             return (removed, garbage);
         };
         removed.sessions.push(id);
+        // Its queue pairs (which a worker slow to let go may still serve) touch nothing
+        // from now on.
+        session.rights.store(RegionRights::default());
         for qp in &session.qps {
             if let Some(record) = s.qps.remove(qp) {
                 garbage.take_windows_of(s, *qp, &record);
@@ -112,6 +117,34 @@ impl Registry {
         }
         Self::forget_idle_user(s, session.owner.uid);
         (removed, garbage)
+    }
+
+    /// Replaces the data-path rights of `session` (if it is open) with what it may touch
+    /// now: its own regions read-write, attached regions as their key allowed. Called under
+    /// the lock by every change to them (see [`SessionRights`] for the rule).
+    pub(super) fn refresh_rights(s: &State, session: SessionId) {
+        let Some(x) = s.sessions.get(&session) else {
+            return;
+        };
+        let owned = x.regions.iter().map(|id| (*id, true));
+        let attached = x
+            .attachments
+            .iter()
+            .map(|(id, mode)| (*id, *mode == AttachMode::ReadWrite));
+        let rights = owned
+            .chain(attached)
+            .filter_map(|(id, writable)| {
+                let mr = Arc::clone(&s.regions.get(&id)?.mr);
+                Some((id, RegionRight { mr, writable }))
+            })
+            .collect();
+        x.rights.store(rights);
+    }
+
+    /// What the session's QPs may touch now, as the data path sees it.
+    #[cfg(test)]
+    pub fn session_rights(&self, session: SessionId) -> Option<Arc<RegionRights>> {
+        Some(self.lock().sessions.get(&session)?.rights.load())
     }
 
     /// The session, if `owner`'s connection owns it.

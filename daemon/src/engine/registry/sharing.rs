@@ -136,6 +136,7 @@ impl Registry {
             .expect("checked above")
             .attachments
             .insert(region_id, access);
+        Self::refresh_rights(&s, session);
         Ok(Handout {
             region: region_id,
             fd,
@@ -198,6 +199,7 @@ impl Registry {
         if let Some(x) = s.sessions.get_mut(&session) {
             x.attachments.remove(&id);
         }
+        Self::refresh_rights(&s, session);
         Ok(())
     }
 }

@@ -64,7 +64,7 @@ pub fn memory_once_exposed_is_never_handed_to_another_owner(provider: ProviderCh
     let kept_inode = nix::sys::stat::fstat(std::os::fd::AsRawFd::as_raw_fd(&kept.fd))
         .unwrap()
         .st_ino;
-    engine.registry.free(&alice.owner(), kept.region).unwrap();
+    engine.free(&alice.owner(), kept.region).unwrap();
 
     for _ in 0..20 {
         let h = engine
@@ -93,7 +93,7 @@ pub fn memory_once_exposed_is_never_handed_to_another_owner(provider: ProviderCh
         let mut old = [0xffu8; 14];
         pread(&kept.fd, &mut old, 0).unwrap();
         assert_eq!(old, [0u8; 14], "the kept fd never sees the next owner");
-        engine.registry.free(&bob.owner(), h.region).unwrap();
+        engine.free(&bob.owner(), h.region).unwrap();
     }
 }
 
@@ -197,7 +197,7 @@ pub fn closing_a_session_releases_everything_it_held(provider: ProviderChoice) {
         .attach(&bob.owner(), &pools(&engine, &bob), sb, &token)
         .unwrap();
 
-    let removed = engine.registry.close_sessions_of(":1.1");
+    let removed = engine.close_sessions_of(":1.1");
     assert_eq!(removed.sessions, vec![sa]);
     assert_eq!(removed.regions.len(), 2);
     assert_eq!((pool.stats().used, engine.registry.counts()), before);
@@ -284,7 +284,7 @@ pub fn read_only_keys_give_read_only_descriptors(provider: ProviderChoice) {
         Err(EngineError::NotAuthorized(_))
     ));
     assert!(matches!(
-        engine.registry.free(&bob.owner(), a.region),
+        engine.free(&bob.owner(), a.region),
         Err(EngineError::NotAuthorized(_))
     ));
     assert!(matches!(
@@ -403,9 +403,7 @@ pub fn other_connections_cannot_use_a_session(provider: ProviderChoice) {
         ));
     }
     assert!(matches!(
-        engine
-            .registry
-            .close_session(&mallory.owner(), scope(&config, &mallory), s),
+        engine.close_session(&mallory.owner(), scope(&config, &mallory), s),
         Err(EngineError::NotAuthorized(_))
     ));
     assert!(engine
@@ -428,7 +426,6 @@ pub fn other_connections_cannot_use_a_session(provider: ProviderChoice) {
         Err(crate::policy::PolicyError::OthersQuota)
     ));
     engine
-        .registry
         .close_session(
             &alice_elsewhere.owner(),
             scope(&config, &alice_elsewhere),

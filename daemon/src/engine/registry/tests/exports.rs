@@ -169,7 +169,7 @@ fn exports_are_a_quota_given_back_by_every_release() {
         .map(ExportHandout::parts)
         .unwrap();
     assert_eq!(exports(1000), 2);
-    engine.registry.free(&alice.owner(), r).unwrap();
+    engine.free(&alice.owner(), r).unwrap();
     assert_eq!(exports(1000), 0);
     // Destroying the QP gives back what was exported through it; the region stays.
     let r = region();
@@ -193,7 +193,7 @@ fn exports_are_a_quota_given_back_by_every_release() {
         )
         .map(ExportHandout::parts)
         .unwrap();
-    engine.registry.destroy_qp(&alice.owner(), qps[0]).unwrap();
+    engine.destroy_qp(&alice.owner(), qps[0]).unwrap();
     assert_eq!(exports(1000), 1);
     assert!(
         matches!(
@@ -204,11 +204,11 @@ fn exports_are_a_quota_given_back_by_every_release() {
     );
     assert_eq!(exports(1000), 1, "and gives nothing back twice");
     // Closing the session gives back the rest.
-    engine.registry.close_sessions_of(":1.1");
+    engine.close_sessions_of(":1.1");
     assert_eq!(exports(1000), 0);
     assert!(engine.registry.usage(1000).is_zero());
     assert_eq!(exports(1001), 1, "bob's export is untouched");
-    engine.registry.close_sessions_of(":1.2");
+    engine.close_sessions_of(":1.2");
     assert_eq!(device.object_counts().mws, mws);
 }
 
@@ -258,7 +258,7 @@ fn windows_taken_out_keep_their_queue_pair_until_dropped() {
         .registry
         .remove_export(&alice.owner(), region, export)
         .unwrap();
-    engine.registry.destroy_qp(&alice.owner(), qps[0]).unwrap();
+    engine.destroy_qp(&alice.owner(), qps[0]).unwrap();
     assert_eq!(
         qps_alive(),
         2,
@@ -279,13 +279,20 @@ fn windows_taken_out_keep_their_queue_pair_until_dropped() {
         .map(ExportHandout::parts)
         .unwrap();
     let garbage = Registry::remove_region(&mut engine.registry.lock(), region).unwrap();
-    engine.registry.destroy_qp(&alice.owner(), qps[1]).unwrap();
+    engine.destroy_qp(&alice.owner(), qps[1]).unwrap();
     assert_eq!(
         qps_alive(),
         1,
         "the QP outlives the window bound through it"
     );
-    engine.registry.release(&[], garbage);
+    engine.release(Teardown {
+        removed: Removed::default(),
+        garbage,
+        releasing: Releasing {
+            registry: &engine.registry,
+            sessions: 0,
+        },
+    });
     assert_eq!(qps_alive(), 0);
     assert_eq!(device.object_counts().mws, 0);
 }

@@ -8,6 +8,7 @@ use std::time::Duration;
 
 mod bodies;
 mod exports;
+mod rights;
 mod windows;
 
 crate::on_both_providers!(
@@ -103,7 +104,7 @@ fn a_closing_session_counts_until_its_objects_are_released() {
             .unwrap();
         let closer = {
             let engine = Arc::clone(&engine);
-            std::thread::spawn(move || engine.registry.close_sessions_of(":1.1"))
+            std::thread::spawn(move || engine.close_sessions_of(":1.1"))
         };
         while engine.registry.counts().0 != 0 {
             std::hint::spin_loop();
@@ -186,7 +187,6 @@ fn user_and_group_lookups_never_run_under_the_registry_lock() {
         .revoke(&carol.owner(), scope(&config, &carol), key)
         .unwrap();
     let removed = engine
-        .registry
         .close_session(&carol.owner(), scope(&config, &carol), owner)
         .unwrap();
     assert_eq!(removed.regions, vec![region]);

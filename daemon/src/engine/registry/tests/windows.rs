@@ -164,10 +164,14 @@ fn windows_go_before_their_memory_on_every_path() {
             "release" => engine
                 .release_export(&alice.owner(), region, export)
                 .unwrap(),
-            "free" => engine.registry.free(&alice.owner(), region).unwrap(),
-            "destroy" => engine.registry.destroy_qp(&alice.owner(), qp).unwrap(),
-            "close" => assert_eq!(engine.registry.close_sessions_of(":1.1").sessions, [s]),
-            _ => assert_eq!(engine.registry.close_all().sessions, [s]),
+            "free" => {
+                engine.free(&alice.owner(), region).unwrap();
+            }
+            "destroy" => {
+                engine.destroy_qp(&alice.owner(), qp).unwrap();
+            }
+            "close" => assert_eq!(engine.close_sessions_of(":1.1").sessions, [s]),
+            _ => assert_eq!(engine.close_all().sessions, [s]),
         }
         let now = device.object_counts();
         assert_eq!(now.mws, baseline.mws, "{path}: the window is gone");
@@ -193,7 +197,7 @@ fn windows_go_before_their_memory_on_every_path() {
         );
         drop(record);
         drop(peer);
-        engine.registry.close_sessions_of(":1.1");
+        engine.close_sessions_of(":1.1");
         assert_eq!(device.object_counts(), baseline, "{path}: nothing is left");
     }
 }
@@ -261,7 +265,7 @@ fn a_refused_deregistration_lingers_and_is_retried() {
         over,
     } = taken;
     drop(over);
-    engine.registry.free(&alice.owner(), region).unwrap();
+    engine.free(&alice.owner(), region).unwrap();
     let lingering = engine.lingering();
     assert_eq!(lingering.len(), 1, "{lingering:?}");
     let (name, l) = &lingering[0];
@@ -294,7 +298,7 @@ fn a_refused_deregistration_lingers_and_is_retried() {
     drop(peer);
     drop(record);
     // The next teardown retries: the registration goes.
-    engine.registry.close_sessions_of(":1.1");
+    engine.close_sessions_of(":1.1");
     assert!(engine.lingering().is_empty());
     assert_eq!(device.object_counts(), baseline);
 }

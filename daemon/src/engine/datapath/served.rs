@@ -1,0 +1,370 @@
+//! What the worker does for one queue pair ([`ServedQp`]): it takes the client's
+//! submissions from the ring, copying each entry out of shared memory before looking at
+//! it, validates and translates them against the session's rights snapshot, posts them to
+//! the device, polls the CQ and writes completions back as the ring has room. The worker's
+//! own requests (window binds and invalidations) go through the same send queue.
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::Arc;
+
+use rdmad_client::ring::{self, header, Completion, Opcode, Status, Submission, SQE_SIZE};
+
+use super::validate::{self, RegionRights, Work};
+use super::worker::{Reply, WorkerError};
+use crate::engine::qp::{QpId, QueuePairRecord};
+use crate::provider::{MemoryRegion, PostError, WcOpcode, WcStatus, WorkCompletion};
+
+/// The most submissions one QP gets taken in one pass of the worker: a QP with a full ring
+/// waits for the next pass like every other, so each pass over N busy QPs costs at most N
+/// such batches (and, on a software device, N turns of bounded copying).
+const TAKE_PER_PASS: u32 = 64;
+
+/// A request the device is working on: what the client called it, and what it pins.
+struct InFlight {
+    client_wr_id: u64,
+    opcode: Opcode,
+    signaled: bool,
+    _pins: Vec<Arc<dyn MemoryRegion>>,
+}
+
+/// The worker's private view of one QP: its own copies of the indices (never read back
+/// from shared memory), requests in flight, completions waiting for ring space.
+pub(super) struct ServedQp {
+    pub(super) id: QpId,
+    pub(super) record: Arc<QueuePairRecord>,
+    /// The daemon's own requests (window binds and invalidations) and who waits for them.
+    internal: HashMap<u64, Reply>,
+    pub(super) sq_head: u32,
+    cq_tail: u32,
+    next_wr: u64,
+    in_flight: HashMap<u64, InFlight>,
+    sends: u32,
+    recvs: u32,
+    /// Completions waiting for room in the ring: bounded, because the worker stops taking
+    /// submissions while it holds a ring's worth (see [`ServedQp::can_consume`]).
+    backlog: VecDeque<Completion>,
+    /// Whether `CQ_WAITING` is set in the ring.
+    waiting: bool,
+}
+
+impl ServedQp {
+    pub(super) fn new(id: QpId, record: Arc<QueuePairRecord>) -> ServedQp {
+        ServedQp {
+            id,
+            record,
+            internal: HashMap::new(),
+            sq_head: 0,
+            cq_tail: 0,
+            next_wr: 1,
+            in_flight: HashMap::new(),
+            sends: 0,
+            recvs: 0,
+            backlog: VecDeque::new(),
+            waiting: false,
+        }
+    }
+
+    /// Whether the worker takes submissions: not while a full ring of completions waits
+    /// for the client to make room, so a client that never reads its completions cannot
+    /// make the daemon hold more than a ring's worth (plus one batch) for it.
+    pub(super) fn can_consume(&self) -> bool {
+        self.backlog.len() < self.record.layout.cq_entries as usize
+    }
+
+    /// Whether there is work the worker can do now, without waiting for the client.
+    pub(super) fn ready(&self) -> bool {
+        let ring = &self.record.ring;
+        let submitted = ring.load_u32(header::SQ_TAIL).unwrap_or(self.sq_head) != self.sq_head;
+        let room = !self.backlog.is_empty()
+            && ring
+                .load_u32(header::CQ_HEAD)
+                .map(|head| self.cq_tail.wrapping_sub(head) < self.record.layout.cq_entries)
+                .unwrap_or(false);
+        (submitted && self.can_consume()) || room || self.record.cq.needs_polling()
+    }
+
+    /// Publishes the ring's flags: `SQ_NEED_WAKEUP` as asked, `CQ_WAITING` as the backlog
+    /// says.
+    pub(super) fn store_flags(&mut self, need_wakeup: bool) {
+        self.waiting = !self.backlog.is_empty();
+        let flags = if need_wakeup { ring::SQ_NEED_WAKEUP } else { 0 }
+            | if self.waiting { ring::CQ_WAITING } else { 0 };
+        let _ = self.record.ring.store_u32(header::SQ_FLAGS, flags);
+        let _ = self
+            .record
+            .ring
+            .store_u32(header::CQ_OVERFLOW, self.backlog.len() as u32);
+    }
+
+    fn refuse(&mut self, wr_id: u64, opcode: Opcode, status: Status, detail: u32) {
+        if status != Status::DeviceError {
+            self.record
+                .counters
+                .refused
+                .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        }
+        self.backlog.push_back(Completion {
+            wr_id,
+            status,
+            opcode,
+            byte_len: 0,
+            imm: None,
+            detail,
+        });
+    }
+
+    /// Consumes what the client submitted; returns whether there was anything.
+    pub(super) fn consume(&mut self, rights: &RegionRights) -> bool {
+        if !self.can_consume() {
+            return false;
+        }
+        let ring = Arc::clone(&self.record.ring);
+        let layout = self.record.layout;
+        let Ok(tail) = ring.load_u32(header::SQ_TAIL) else {
+            return false;
+        };
+        let pending = tail.wrapping_sub(self.sq_head);
+        if pending == 0 {
+            return false;
+        }
+        if pending > layout.sq_entries {
+            // An impossible tail: the client broke the protocol. Skip to it and say so once.
+            tracing::warn!(
+                qp = self.id,
+                tail,
+                head = self.sq_head,
+                "submission tail out of range"
+            );
+            self.refuse(0, Opcode::Send, Status::InvalidEntry, 1);
+            self.sq_head = tail;
+            let _ = ring.store_u32(header::SQ_HEAD, self.sq_head);
+            return true;
+        }
+        let mut sends = Vec::new();
+        let mut recvs = Vec::new();
+        let mut staged = Vec::new();
+        for _ in 0..pending.min(TAKE_PER_PASS) {
+            let mut bytes = [0u8; SQE_SIZE];
+            // Copy first: the client may rewrite the slot at any moment.
+            if ring.read_at(layout.sqe(self.sq_head), &mut bytes).is_err() {
+                break;
+            }
+            self.sq_head = self.sq_head.wrapping_add(1);
+            let sub = match Submission::decode(&bytes) {
+                Ok(s) => s,
+                Err((wr_id, e)) => {
+                    tracing::debug!(qp = self.id, "refused submission: {e}");
+                    self.refuse(wr_id, Opcode::Send, Status::InvalidEntry, 0);
+                    continue;
+                }
+            };
+            let is_recv = sub.opcode == Opcode::Recv;
+            let (depth, used) = if is_recv {
+                (
+                    self.record.options.recv_depth,
+                    self.recvs + recvs.len() as u32,
+                )
+            } else {
+                (
+                    self.record.options.send_depth,
+                    self.sends + sends.len() as u32,
+                )
+            };
+            if used >= depth {
+                self.refuse(sub.wr_id, sub.opcode, Status::QueueFull, depth);
+                continue;
+            }
+            let wr = self.next_wr;
+            match validate::check_length(&sub, self.record.max_message)
+                .and_then(|()| validate::check(&sub, rights, self.record.options.max_sge, wr))
+            {
+                Ok(checked) => {
+                    self.next_wr += 1;
+                    match checked.work {
+                        Work::Send(w) => sends.push(w),
+                        Work::Recv(w) => recvs.push(w),
+                    }
+                    staged.push((
+                        wr,
+                        InFlight {
+                            client_wr_id: sub.wr_id,
+                            opcode: sub.opcode,
+                            signaled: sub.signaled,
+                            _pins: checked.pins,
+                        },
+                    ));
+                }
+                Err(refusal) => self.refuse(sub.wr_id, sub.opcode, refusal.status, refusal.detail),
+            }
+        }
+        let _ = ring.store_u32(header::SQ_HEAD, self.sq_head);
+        // Exactly the requests the device took are in flight (and keep their regions
+        // pinned until they complete); the rest of a batch it stopped part-way is refused.
+        let taken = |what: &str, len: usize, result: Result<(), PostError>| match result {
+            Ok(()) => len,
+            Err(e) => {
+                tracing::debug!(qp = self.id, "{what}: {e}");
+                e.posted
+            }
+        };
+        let mut posted = std::collections::HashSet::new();
+        if !recvs.is_empty() {
+            let n = taken("post_recv", recvs.len(), self.record.qp.post_recv(&recvs));
+            posted.extend(recvs.iter().take(n).map(|w| w.wr_id));
+        }
+        if !sends.is_empty() {
+            let n = taken("post_send", sends.len(), self.record.qp.post_send(&sends));
+            posted.extend(sends.iter().take(n).map(|w| w.wr_id));
+        }
+        for (wr, flight) in staged {
+            if posted.contains(&wr) {
+                if flight.opcode == Opcode::Recv {
+                    self.recvs += 1;
+                } else {
+                    self.sends += 1;
+                }
+                self.in_flight.insert(wr, flight);
+                self.record
+                    .counters
+                    .posted
+                    .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            } else {
+                self.refuse(flight.client_wr_id, flight.opcode, Status::DeviceError, 0);
+            }
+        }
+        true
+    }
+
+    /// Takes completions from the CQ; returns whether there were any.
+    pub(super) fn reap(&mut self) -> bool {
+        let mut wcs: Vec<WorkCompletion> = Vec::new();
+        if let Err(e) = self.record.cq.poll(&mut wcs, 64) {
+            tracing::warn!(qp = self.id, "poll: {e}");
+            return false;
+        }
+        let any = !wcs.is_empty();
+        for wc in wcs {
+            if let Some(waiter) = self.internal.remove(&wc.wr_id) {
+                self.sends -= 1;
+                let result = match wc.status {
+                    WcStatus::Success => Ok(()),
+                    other => Err(WorkerError::Completion(other)),
+                };
+                let _ = waiter.send(result);
+                continue;
+            }
+            let Some(flight) = self.in_flight.remove(&wc.wr_id) else {
+                continue;
+            };
+            if flight.opcode == Opcode::Recv {
+                self.recvs -= 1;
+            } else {
+                self.sends -= 1;
+            }
+            let status = status_of(wc.status);
+            let counter = if status == Status::Success {
+                &self.record.counters.completed
+            } else {
+                &self.record.counters.failed
+            };
+            counter.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            if flight.signaled || status != Status::Success || flight.opcode == Opcode::Recv {
+                let opcode = match wc.opcode {
+                    WcOpcode::Recv | WcOpcode::RecvRdmaWithImm => Opcode::Recv,
+                    _ => flight.opcode,
+                };
+                self.backlog.push_back(Completion {
+                    wr_id: flight.client_wr_id,
+                    status,
+                    opcode,
+                    byte_len: wc.byte_len,
+                    imm: wc.imm,
+                    detail: 0,
+                });
+            }
+        }
+        any
+    }
+
+    /// Writes waiting completions into the ring as far as it has room; returns whether it
+    /// delivered any.
+    pub(super) fn deliver(&mut self) -> bool {
+        if self.backlog.is_empty() {
+            return false;
+        }
+        let ring = Arc::clone(&self.record.ring);
+        let layout = self.record.layout;
+        let Ok(head) = ring.load_u32(header::CQ_HEAD) else {
+            return false;
+        };
+        let used = self.cq_tail.wrapping_sub(head);
+        // A head the client moved past our tail is a lie; treat the ring as full.
+        let room = layout.cq_entries.saturating_sub(used);
+        let mut delivered = 0;
+        while delivered < room {
+            let Some(c) = self.backlog.pop_front() else {
+                break;
+            };
+            if ring
+                .write_at(layout.cqe(self.cq_tail), &c.encode())
+                .is_err()
+            {
+                break;
+            }
+            self.cq_tail = self.cq_tail.wrapping_add(1);
+            delivered += 1;
+        }
+        if delivered > 0 {
+            let _ = ring.store_u32(header::CQ_TAIL, self.cq_tail);
+            self.record.completion_event.signal();
+        }
+        if self.waiting || !self.backlog.is_empty() {
+            self.store_flags(false);
+        }
+        delivered > 0
+    }
+}
+
+/// Internal request ids have the top bit set; the client's never reach the device.
+const INTERNAL: u64 = 1 << 63;
+
+impl ServedQp {
+    pub(super) fn run_command(&mut self, op: crate::provider::SendOp, reply: Reply) {
+        if self.sends >= self.record.options.send_depth {
+            let _ = reply.send(Err(WorkerError::SendQueueFull));
+            return;
+        }
+        let wr_id = INTERNAL | self.next_wr;
+        self.next_wr += 1;
+        let wr = crate::provider::SendWr {
+            wr_id,
+            op,
+            sges: Vec::new(),
+            signaled: true,
+        };
+        match self.record.qp.post_send(std::slice::from_ref(&wr)) {
+            Ok(()) => {
+                self.sends += 1;
+                self.internal.insert(wr_id, reply);
+            }
+            Err(e) => {
+                let _ = reply.send(Err(WorkerError::Post(e)));
+            }
+        }
+    }
+}
+
+fn status_of(s: WcStatus) -> Status {
+    match s {
+        WcStatus::Success => Status::Success,
+        WcStatus::LocalLengthError => Status::LocalLengthError,
+        WcStatus::LocalProtectionError => Status::LocalProtectionError,
+        WcStatus::WrFlushError => Status::WrFlushError,
+        WcStatus::RemoteInvalidRequestError => Status::RemoteInvalidRequestError,
+        WcStatus::RemoteAccessError => Status::RemoteAccessError,
+        WcStatus::RemoteOperationError => Status::RemoteOperationError,
+        WcStatus::RetryExceeded => Status::RetryExceeded,
+        WcStatus::RnrRetryExceeded => Status::RnrRetryExceeded,
+        WcStatus::MemoryWindowBindError | WcStatus::Other(_) => Status::DeviceError,
+    }
+}

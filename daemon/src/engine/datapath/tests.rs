@@ -1,0 +1,169 @@
+//! The data path end to end on the loopback device: a client's ring, the worker, a QP.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use rdmad_client::queue_pair::QueuePairRing;
+use rdmad_client::ring::{self, header, Opcode, RegionSge, Status, Submission};
+use rdmad_client::types::RingInfo;
+
+use crate::config::{Config, ProviderChoice};
+use crate::engine::qp::{QpOptions, QueuePairRecord};
+use crate::engine::{Engine, Limits, Owner};
+
+fn ring_of(q: &QueuePairRecord) -> QueuePairRing {
+    QueuePairRing::new(
+        q.ring.fd().try_clone_to_owned().unwrap(),
+        q.doorbell.client_end().try_clone_to_owned().unwrap(),
+        q.completion_event
+            .client_end()
+            .try_clone_to_owned()
+            .unwrap(),
+        RingInfo {
+            size: q.ring.len() as u64,
+            sq_entries: q.layout.sq_entries,
+            cq_entries: q.layout.cq_entries,
+        },
+    )
+    .unwrap()
+}
+
+/// A loopback engine and one queue pair of a session of uid 1000 (the engine must live
+/// as long as the QP is used).
+fn loopback_qp() -> (Engine, Arc<QueuePairRecord>) {
+    let config = Config::default();
+    let engine = Engine::start(
+        config.clone(),
+        PathBuf::from("/dev/null"),
+        Some(ProviderChoice::Loopback),
+    )
+    .unwrap();
+    let alice = Owner {
+        uid: 1000,
+        connection: ":1.1".into(),
+        pid: None,
+    };
+    let limits = Limits::unlimited(1000);
+    let s = engine.open_session(&alice, &limits).unwrap();
+    let id = engine
+        .create_qp(&alice, &limits, s, "loopback0", QpOptions::default())
+        .unwrap()
+        .id;
+    let q = engine.registry.own_qp(&alice, id).unwrap();
+    (engine, q)
+}
+
+#[test]
+fn a_refused_submission_comes_back_as_a_completion() {
+    let (_engine, q) = loopback_qp();
+    let mut ring = ring_of(&q);
+    let sub = Submission::new(
+        Opcode::Send,
+        9,
+        RegionSge {
+            region: 77,
+            offset: 0,
+            length: 8,
+        },
+    );
+    ring.submit(&sub).unwrap().unwrap();
+    let c = ring
+        .wait(Duration::from_secs(10))
+        .unwrap()
+        .expect("a completion");
+    assert_eq!((c.wr_id, c.status), (9, Status::RegionAccessDenied));
+}
+
+/// A client that floods its ring and never reads a completion: the worker holds back at
+/// most a ring's worth plus one batch (then stops taking submissions, so the client sees
+/// its submission ring full), and loses nothing — every request comes back, in order,
+/// once the client reads.
+#[test]
+fn a_client_that_never_reads_completions_is_held_to_a_bound() {
+    let (_engine, q) = loopback_qp();
+    let (sq, cq) = (q.layout.sq_entries, q.layout.cq_entries);
+    let mut ring = ring_of(&q);
+    let refused = |wr_id| {
+        Submission::new(
+            Opcode::Send,
+            wr_id,
+            RegionSge {
+                region: 77,
+                offset: 0,
+                length: 8,
+            },
+        )
+    };
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let mut submitted = 0u64;
+    loop {
+        assert!(
+            Instant::now() < deadline,
+            "the worker never stopped taking work"
+        );
+        if ring.submit(&refused(submitted)).unwrap().is_ok() {
+            submitted += 1;
+            continue;
+        }
+        // The ring is full. Once a ring's worth waits, the worker takes nothing more.
+        let held = q.ring.load_u32(header::CQ_OVERFLOW).unwrap();
+        if held >= cq {
+            break;
+        }
+        std::thread::yield_now();
+    }
+    let flags = q.ring.load_u32(header::SQ_FLAGS).unwrap();
+    assert_ne!(flags & ring::CQ_WAITING, 0, "flags {flags:#x}");
+    let held = q.ring.load_u32(header::CQ_OVERFLOW).unwrap();
+    assert!(held <= cq + sq, "{held} completions held back");
+    assert!(
+        submitted <= u64::from(2 * cq + 2 * sq),
+        "{submitted} submissions taken"
+    );
+    for wr_id in 0..submitted {
+        let c = ring
+            .wait(Duration::from_secs(10))
+            .unwrap()
+            .unwrap_or_else(|| panic!("completion {wr_id} of {submitted} never came"));
+        assert_eq!((c.wr_id, c.status), (wr_id, Status::RegionAccessDenied));
+    }
+    assert_eq!(ring.poll().unwrap(), None);
+    // And the worker takes work again. (It clears CQ_WAITING on its next pass, which
+    // may come after the client's last poll: a stale flag costs one extra doorbell.)
+    ring.submit(&refused(submitted)).unwrap().unwrap();
+    let c = ring.wait(Duration::from_secs(10)).unwrap();
+    assert_eq!(
+        c.map(|c| (c.wr_id, c.status)),
+        Some((submitted, Status::RegionAccessDenied))
+    );
+}
+
+/// What the engine's callers put after "cannot bind a window over region N: " and
+/// "invalidation failed: ": the messages the worker's errors always had.
+#[test]
+fn worker_errors_keep_their_messages() {
+    use super::worker::WorkerError;
+    use crate::provider::WcStatus;
+    for (error, message) in [
+        (
+            WorkerError::Completion(WcStatus::MemoryWindowBindError),
+            "the device answered MemoryWindowBindError",
+        ),
+        (
+            WorkerError::SendQueueFull,
+            "the queue pair's send queue is full",
+        ),
+        (WorkerError::NotServed(7), "queue pair 7 is not served"),
+        (
+            WorkerError::TimedOut,
+            "the device did not complete the request within 60 s",
+        ),
+        (
+            WorkerError::Stopped,
+            "the device did not complete the request within 60 s",
+        ),
+    ] {
+        assert_eq!(error.to_string(), message);
+    }
+}
