@@ -20,9 +20,10 @@ pub fn to_dbus_error(e: EngineError) -> Error {
         }
         EngineError::Config(_) | EngineError::InvalidArgument(_) => Error::InvalidArgument(message),
         EngineError::Provider(p) => provider_error(p),
-        EngineError::DeviceUnusable(_) | EngineError::Os { .. } | EngineError::Random(_) => {
-            Error::DeviceError(message)
-        }
+        EngineError::DeviceUnusable(_)
+        | EngineError::Os { .. }
+        | EngineError::Random(_)
+        | EngineError::Worker { .. } => Error::DeviceError(message),
         EngineError::NotAuthorized(_) => Error::NotAuthorized(message),
         EngineError::Quota(_) => Error::QuotaExceeded(message),
         EngineError::Pool(PoolError::Exhausted { .. }) => Error::PoolExhausted(message),

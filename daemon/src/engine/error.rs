@@ -2,6 +2,7 @@
 //! its source; the D-Bus layer maps each variant to a D-Bus error name (`dbus/error.rs`),
 //! the one place the mapping is made.
 
+use super::datapath::worker::WorkerError;
 use super::pool::PoolError;
 use super::tenancy::QuotaError;
 use crate::config::ConfigError;
@@ -37,6 +38,14 @@ pub enum EngineError {
     },
     #[error("no random numbers: {0}")]
     Random(#[from] getrandom::Error),
+    /// A data-path worker could not do what the engine asked of it (bind or invalidate a
+    /// window): what it was, and why.
+    #[error("{what}: {source}")]
+    Worker {
+        what: String,
+        #[source]
+        source: WorkerError,
+    },
 }
 
 impl EngineError {

@@ -247,9 +247,10 @@ impl Engine {
                         "queue pair {qp_id} (destroyed while the export was being made)"
                     ))
                 } else {
-                    EngineError::DeviceUnusable(format!(
-                        "cannot bind a window over region {region}: {e}"
-                    ))
+                    EngineError::Worker {
+                        what: format!("cannot bind a window over region {region}"),
+                        source: e,
+                    }
                 }
             })?;
         Ok(window)

@@ -161,7 +161,7 @@ fn worker_errors_keep_their_messages() {
         ),
         (
             WorkerError::Stopped,
-            "the device did not complete the request within 60 s",
+            "the data-path worker let go of the queue pair before the request completed",
         ),
     ] {
         assert_eq!(error.to_string(), message);

@@ -45,8 +45,8 @@ pub enum WorkerError {
     #[error("the device did not complete the request within 60 s")]
     TimedOut,
     /// The worker dropped the request unanswered: it stopped, or let go of the queue pair
-    /// first. (Reported with the time-out's message, as it always was.)
-    #[error("the device did not complete the request within 60 s")]
+    /// first.
+    #[error("the data-path worker let go of the queue pair before the request completed")]
     Stopped,
 }
 
