@@ -13,7 +13,7 @@
 use std::sync::{Arc, OnceLock};
 
 use libfuzzer_sys::fuzz_target;
-use rdmad::engine::datapath::validate::{check, RegionRight, RegionRights, Work};
+use rdmad::engine::testing::{check, RegionRight, RegionRights, Work};
 use rdmad::memory::SharedMemory;
 use rdmad::provider::loopback::LoopbackDevice;
 use rdmad::provider::{Access, Device, MemoryRegion, ProtectionDomain};

@@ -16,6 +16,14 @@ mod snapshots;
 mod tenancy;
 mod token;
 
+/// For the fuzzers and tests only, not part of the engine's face: the request validator
+/// the data-path workers run on every submission, so `fuzz/ring_entry` can feed it any
+/// bytes.
+#[doc(hidden)]
+pub mod testing {
+    pub use super::datapath::validate::{check, RegionRight, RegionRights, Work};
+}
+
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Arc, RwLock};
