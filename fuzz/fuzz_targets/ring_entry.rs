@@ -14,6 +14,7 @@ use std::sync::{Arc, OnceLock};
 
 use libfuzzer_sys::fuzz_target;
 use rdmad::engine::testing::{check, RegionRight, RegionRights, Work};
+use rdmad::engine::RegionId;
 use rdmad::memory::SharedMemory;
 use rdmad::provider::loopback::LoopbackDevice;
 use rdmad::provider::{Access, Device, MemoryRegion, ProtectionDomain};
@@ -33,7 +34,7 @@ fn session() -> &'static Session {
         for (id, len, writable) in [(1u64, 4096, true), (2, 65536, true), (3, 8192, false)] {
             let memory = Arc::new(SharedMemory::create(c"fuzz", len).unwrap());
             let mr = pd.register(memory, Access::LOCAL_WRITE).unwrap();
-            rights.insert(id, RegionRight { mr, writable });
+            rights.insert(RegionId(id), RegionRight { mr, writable });
         }
         Session { _pd: pd, rights }
     })
@@ -86,7 +87,7 @@ fuzz_target!(|data: &[u8]| {
     assert_eq!(sges.len(), sub.sges.len());
     assert_eq!(checked.pins.len(), sub.sges.len());
     for (sge, asked) in sges.iter().zip(&sub.sges) {
-        let right = &session.rights[&asked.region];
+        let right = &session.rights[&RegionId(asked.region)];
         assert!(inside(&right.mr, sge.addr, sge.length), "{sub:?}");
         assert_eq!(sge.lkey, right.mr.lkey());
         assert!(right.writable || !device_writes, "{sub:?}");

@@ -66,7 +66,7 @@ impl Context {
         id: SessionId,
     ) -> zbus::Result<()> {
         let object = SessionObject::new(Arc::clone(self), id);
-        server.at(session_path(id), object).await.map(drop)
+        server.at(session_path(id.0), object).await.map(drop)
     }
 
     /// Serves the object of a region `caller` just allocated. Its session may have been
@@ -81,10 +81,10 @@ impl Context {
         id: RegionId,
     ) -> Result<(), Error> {
         let object = RegionObject::new(Arc::clone(self), id);
-        server.at(region_path(id), object).await?;
+        server.at(region_path(id.0), object).await?;
         let scope = crate::policy::scope(caller, &self.config());
         if self.engine.region(&caller.owner(), scope, id).is_err() {
-            let _ = server.remove::<RegionObject, _>(region_path(id)).await;
+            let _ = server.remove::<RegionObject, _>(region_path(id.0)).await;
             return Err(Error::NoSuchObject(format!(
                 "region {id}: its session was closed while it was being allocated"
             )));
@@ -101,9 +101,9 @@ impl Context {
         id: QpId,
     ) -> Result<(), Error> {
         let object = QueuePairObject::new(Arc::clone(self), id);
-        server.at(qp_path(id), object).await?;
+        server.at(qp_path(id.0), object).await?;
         if !self.engine.owns_qp(&caller.owner(), id) {
-            let _ = server.remove::<QueuePairObject, _>(qp_path(id)).await;
+            let _ = server.remove::<QueuePairObject, _>(qp_path(id.0)).await;
             return Err(Error::NoSuchObject(format!(
                 "queue pair {id}: its session was closed while it was being created"
             )));
@@ -120,18 +120,18 @@ impl Context {
             Err(e) => Err(e),
         };
         for id in &removed.qps {
-            if let Err(e) = served(server.remove::<QueuePairObject, _>(qp_path(*id)).await) {
-                tracing::warn!(qp = id, "cannot withdraw the queue pair object: {e}");
+            if let Err(e) = served(server.remove::<QueuePairObject, _>(qp_path(id.0)).await) {
+                tracing::warn!(qp = %id, "cannot withdraw the queue pair object: {e}");
             }
         }
         for id in &removed.regions {
-            if let Err(e) = served(server.remove::<RegionObject, _>(region_path(*id)).await) {
-                tracing::warn!(region = id, "cannot withdraw the region object: {e}");
+            if let Err(e) = served(server.remove::<RegionObject, _>(region_path(id.0)).await) {
+                tracing::warn!(region = %id, "cannot withdraw the region object: {e}");
             }
         }
         for id in &removed.sessions {
-            if let Err(e) = server.remove::<SessionObject, _>(session_path(*id)).await {
-                tracing::warn!(session = id, "cannot withdraw the session object: {e}");
+            if let Err(e) = server.remove::<SessionObject, _>(session_path(id.0)).await {
+                tracing::warn!(session = %id, "cannot withdraw the session object: {e}");
             }
         }
     }

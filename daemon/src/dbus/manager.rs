@@ -16,6 +16,7 @@ use zbus::{interface, Connection};
 use super::context::Context;
 use super::options::Options;
 use super::wire;
+use crate::engine::KeyId;
 use crate::policy;
 
 /// Re-reads the configuration and applies it; `Err` carries the located config error.
@@ -88,7 +89,7 @@ impl Manager {
         let limits = policy::limits(&caller, &self.ctx.config());
         let id = self.ctx.engine.open_session(&caller.owner(), &limits)?;
         self.ctx.publish_session(server, id).await?;
-        tracing::info!(session = id, uid = caller.uid, sender = %caller.bus_name, pid = caller.pid.unwrap_or(0), "session opened");
+        tracing::info!(session = %id, uid = caller.uid, sender = %caller.bus_name, pid = caller.pid.unwrap_or(0), "session opened");
         // The caller may have left the bus before the session existed, in which case the
         // watcher saw nothing to close.
         let dbus = zbus::fdo::DBusProxy::new(connection).await?;
@@ -97,7 +98,7 @@ impl Manager {
         if !dbus.name_has_owner(name).await? {
             self.ctx.connection_gone(server, &caller.bus_name).await;
         }
-        Ok(wire::path(session_path(id)))
+        Ok(wire::path(session_path(id.0)))
     }
 
     /// Sessions the caller may see: its user's, or every session for administrators.
@@ -183,8 +184,10 @@ impl Manager {
     ) -> Result<(), Error> {
         let caller = self.ctx.caller(connection, &header).await?;
         let scope = policy::scope(&caller, &self.ctx.config());
-        self.ctx.engine.revoke(&caller.owner(), scope, key_id)?;
-        tracing::info!(key = key_id, uid = caller.uid, "access key revoked");
+        self.ctx
+            .engine
+            .revoke(&caller.owner(), scope, KeyId(key_id))?;
+        tracing::info!(key = %key_id, uid = caller.uid, "access key revoked");
         Ok(())
     }
 

@@ -179,14 +179,14 @@ pub async fn unserve(served: Served, engine: &Engine) {
     for id in &removed.regions {
         results.push(
             server
-                .remove::<region::RegionObject, _>(rdmad_client::names::region_path(*id))
+                .remove::<region::RegionObject, _>(rdmad_client::names::region_path(id.0))
                 .await,
         );
     }
     for id in &removed.sessions {
         results.push(
             server
-                .remove::<session::SessionObject, _>(rdmad_client::names::session_path(*id))
+                .remove::<session::SessionObject, _>(rdmad_client::names::session_path(id.0))
                 .await,
         );
     }

@@ -43,9 +43,9 @@ pub fn state_name(state: QpState) -> &'static str {
 
 pub fn info(q: &QpInfo) -> QueuePairInfo {
     QueuePairInfo {
-        id: q.id,
-        path: wire::path(qp_path(q.id)),
-        session: wire::path(session_path(q.session)),
+        id: q.id.0,
+        path: wire::path(qp_path(q.id.0)),
+        session: wire::path(session_path(q.session.0)),
         owner_uid: q.owner_uid,
         device: q.device.clone(),
         state: state_name(q.state).to_owned(),
@@ -126,7 +126,7 @@ impl QueuePairObject {
         self.ctx
             .blocking(move |e| e.connect_qp(&caller.owner(), id, peer, peer_mtu))
             .await??;
-        tracing::info!(qp = self.id, peer = %remote.gid, peer_qpn = remote.qp_num, "queue pair connected");
+        tracing::info!(qp = %self.id, peer = %remote.gid, peer_qpn = remote.qp_num, "queue pair connected");
         Ok(())
     }
 

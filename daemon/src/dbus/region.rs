@@ -15,7 +15,7 @@ use zbus::{interface, Connection};
 use super::context::Context;
 use super::options::Options;
 use super::wire;
-use crate::engine::{AttachMode, RegionId, RemoteRights};
+use crate::engine::{AttachMode, ExportId, KeyId, QpId, RegionId, RemoteRights};
 use crate::policy;
 
 pub struct RegionObject {
@@ -72,12 +72,12 @@ impl RegionObject {
                 .engine
                 .share(&caller.owner(), &limits, self.id, access, lifetime)?;
         tracing::info!(
-            region = self.id,
-            key,
+            region = %self.id,
+            key = %key,
             access = access.as_str(),
             "access key created"
         );
-        Ok((token, key))
+        Ok((token, key.0))
     }
 
     /// Makes the region reachable by the peer of queue pair `qp` (yours, connected, on the
@@ -122,16 +122,16 @@ impl RegionObject {
             .ctx
             .blocking(move |e| {
                 let limits = policy::limits(&caller, &config);
-                e.export_remote(&caller.owner(), &limits, id, qp_id, access)
+                e.export_remote(&caller.owner(), &limits, id, QpId(qp_id), access)
             })
             .await??;
         tracing::info!(
-            region = self.id,
-            qp = qp_id,
-            export = export.export,
+            region = %self.id,
+            qp = %qp_id,
+            export = %export.export,
             "region exported"
         );
-        Ok((export.addr, export.rkey, export.len, export.export))
+        Ok((export.addr, export.rkey, export.len, export.export.0))
     }
 
     /// Invalidates an export: the rkey it gave stops working.
@@ -145,7 +145,7 @@ impl RegionObject {
         let id = self.id;
         Ok(self
             .ctx
-            .blocking(move |e| e.release_export(&caller.owner(), id, export_id))
+            .blocking(move |e| e.release_export(&caller.owner(), id, ExportId(export_id)))
             .await??)
     }
 
@@ -161,7 +161,7 @@ impl RegionObject {
         Ok(self
             .ctx
             .engine
-            .revoke_of_region(&caller.owner(), scope, self.id, key_id)?)
+            .revoke_of_region(&caller.owner(), scope, self.id, KeyId(key_id))?)
     }
 
     /// Ends the caller's attachment of this region.

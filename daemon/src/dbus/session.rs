@@ -47,7 +47,7 @@ impl SessionObject {
             })
             .await??;
         tracing::info!(
-            session = self.id,
+            session = %self.id,
             uid,
             regions = removed.regions.len(),
             "session closed"
@@ -83,13 +83,13 @@ impl SessionObject {
             .publish_region(server, &caller, handout.region)
             .await?;
         tracing::debug!(
-            session = self.id,
-            region = handout.region,
+            session = %self.id,
+            region = %handout.region,
             size = handout.size,
             "region allocated"
         );
         Ok((
-            wire::path(region_path(handout.region)),
+            wire::path(region_path(handout.region.0)),
             OwnedFd::from(handout.fd),
             handout.size,
         ))
@@ -115,13 +115,13 @@ impl SessionObject {
             })
             .await??;
         tracing::info!(
-            session = self.id,
-            region = handout.region,
+            session = %self.id,
+            region = %handout.region,
             access = handout.access.as_str(),
             "region attached"
         );
         Ok((
-            wire::path(region_path(handout.region)),
+            wire::path(region_path(handout.region.0)),
             OwnedFd::from(handout.fd),
             handout.size,
             handout.access.as_str().to_owned(),
@@ -179,14 +179,14 @@ impl SessionObject {
         let id = q.id;
         self.ctx.publish_qp(server, &caller, id).await?;
         tracing::info!(
-            session = self.id,
-            qp = id,
+            session = %self.id,
+            qp = %id,
             qpn = q.qp_num,
             device,
             "queue pair created"
         );
         Ok((
-            wire::path(rdmad_client::names::qp_path(id)),
+            wire::path(rdmad_client::names::qp_path(id.0)),
             OwnedFd::from(q.ring),
             OwnedFd::from(q.doorbell),
             OwnedFd::from(q.completion),

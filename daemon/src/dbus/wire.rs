@@ -24,8 +24,8 @@ fn count(n: usize) -> u32 {
 
 pub fn session(s: &EngineSession) -> SessionInfo {
     SessionInfo {
-        id: s.id,
-        path: path(session_path(s.id)),
+        id: s.id.0,
+        path: path(session_path(s.id.0)),
         uid: s.uid,
         user: user_name(s.uid),
         bus_name: s.bus_name.clone(),
@@ -39,9 +39,9 @@ pub fn session(s: &EngineSession) -> SessionInfo {
 
 pub fn region(r: &EngineRegion) -> RegionInfo {
     RegionInfo {
-        id: r.id,
-        path: path(region_path(r.id)),
-        session: path(session_path(r.session)),
+        id: r.id.0,
+        path: path(region_path(r.id.0)),
+        session: path(session_path(r.session.0)),
         owner_uid: r.owner_uid,
         pool: r.pool.clone(),
         device: r.device.clone(),
@@ -51,8 +51,8 @@ pub fn region(r: &EngineRegion) -> RegionInfo {
             .keys
             .iter()
             .map(|k| KeyInfo {
-                id: k.id,
-                region: k.region,
+                id: k.id.0,
+                region: k.region.0,
                 access: k.access.as_str().to_owned(),
                 expires_usec: k.expires.map_or(0, usec),
             })

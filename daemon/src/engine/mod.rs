@@ -7,6 +7,7 @@
 mod datapath;
 mod devices;
 mod error;
+mod ids;
 mod pool;
 mod qp;
 mod queue_pairs;

@@ -17,8 +17,7 @@ use crate::provider::{
     QpState, QueuePair, RemoteEndpoint, RtrAttributes, RtsAttributes,
 };
 
-pub type QpId = u64;
-pub type ExportId = u64;
+pub use super::ids::{ExportId, QpId};
 
 /// What a QP's worker has done with its client's requests (shown by `rdmactl qp`).
 #[derive(Debug, Default)]

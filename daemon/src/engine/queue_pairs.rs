@@ -272,9 +272,9 @@ impl Engine {
                 // Dropping the window below invalidates it as well. A QP destroyed since it
                 // was looked up (its session closed, `Destroy`) is no surprise.
                 if self.registry.own_qp(owner, qp_id).is_ok() {
-                    tracing::warn!(region, export, "invalidation failed: {e}");
+                    tracing::warn!(region = %region, export = %export, "invalidation failed: {e}");
                 } else {
-                    tracing::debug!(region, export, "the queue pair went away first: {e}");
+                    tracing::debug!(region = %region, export = %export, "the queue pair went away first: {e}");
                 }
             }
         }

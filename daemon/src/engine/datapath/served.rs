@@ -130,7 +130,7 @@ impl ServedQp {
         if pending > layout.sq_entries {
             // An impossible tail: the client broke the protocol. Skip to it and say so once.
             tracing::warn!(
-                qp = self.id,
+                qp = %self.id,
                 tail,
                 head = self.sq_head,
                 "submission tail out of range"
@@ -153,7 +153,7 @@ impl ServedQp {
             let sub = match Submission::decode(&bytes) {
                 Ok(s) => s,
                 Err((wr_id, e)) => {
-                    tracing::debug!(qp = self.id, "refused submission: {e}");
+                    tracing::debug!(qp = %self.id, "refused submission: {e}");
                     self.refuse(wr_id, Opcode::Send, Status::InvalidEntry, 0);
                     continue;
                 }
@@ -203,7 +203,7 @@ impl ServedQp {
         let taken = |what: &str, len: usize, result: Result<(), PostError>| match result {
             Ok(()) => len,
             Err(e) => {
-                tracing::debug!(qp = self.id, "{what}: {e}");
+                tracing::debug!(qp = %self.id, "{what}: {e}");
                 e.posted
             }
         };
@@ -239,7 +239,7 @@ impl ServedQp {
     pub(super) fn reap(&mut self) -> bool {
         let mut wcs: Vec<WorkCompletion> = Vec::new();
         if let Err(e) = self.record.cq.poll(&mut wcs, 64) {
-            tracing::warn!(qp = self.id, "poll: {e}");
+            tracing::warn!(qp = %self.id, "poll: {e}");
             return false;
         }
         let any = !wcs.is_empty();

@@ -154,7 +154,10 @@ fn worker_errors_keep_their_messages() {
             WorkerError::SendQueueFull,
             "the queue pair's send queue is full",
         ),
-        (WorkerError::NotServed(7), "queue pair 7 is not served"),
+        (
+            WorkerError::NotServed(crate::engine::QpId(7)),
+            "queue pair 7 is not served",
+        ),
         (
             WorkerError::TimedOut,
             "the device did not complete the request within 60 s",

@@ -88,7 +88,7 @@ pub fn check(
             status: Status::RegionAccessDenied,
             detail: i as u32,
         };
-        let right = rights.get(&sge.region).ok_or(denied)?;
+        let right = rights.get(&RegionId(sge.region)).ok_or(denied)?;
         if device_writes && !right.writable {
             return Err(denied);
         }
@@ -166,7 +166,7 @@ mod tests {
             let mem = Arc::new(SharedMemory::create(c"v", 8192).unwrap());
             let mr = pd.register(mem, Access::LOCAL_WRITE).unwrap();
             mrs.push(Arc::clone(&mr));
-            rights.insert(id, RegionRight { mr, writable });
+            rights.insert(RegionId(id), RegionRight { mr, writable });
         }
         (rights, mrs)
     }

@@ -28,9 +28,7 @@ use crate::config::QuotaKind;
 use crate::lock::lock;
 use crate::provider::MemoryRegion;
 
-pub type SessionId = u64;
-pub type RegionId = u64;
-pub type KeyId = u64;
+pub use crate::engine::ids::{KeyId, RegionId, SessionId};
 
 /// How a region is attached (and what an access key grants).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

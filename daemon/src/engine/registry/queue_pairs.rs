@@ -39,7 +39,7 @@ impl Registry {
                 "session {session} (closed while the queue pair was made)"
             )));
         }
-        s.last_qp += 1;
+        s.last_qp = s.last_qp.next();
         let id = s.last_qp;
         s.sessions
             .get_mut(&session)
@@ -108,7 +108,7 @@ impl Registry {
             .get(&qp)
             .cloned()
             .ok_or(EngineError::NoSuchObject(format!("queue pair {qp}")))?;
-        s.last_export += 1;
+        s.last_export = s.last_export.next();
         let export = s.last_export;
         let region = s
             .regions

@@ -109,7 +109,7 @@ impl Registry {
                 "session {session} (closed during the allocation)"
             )));
         }
-        s.last_region += 1;
+        s.last_region = s.last_region.next();
         let id = s.last_region;
         s.sessions
             .get_mut(&session)

@@ -15,7 +15,7 @@ impl Registry {
         let usage = s.usage.entry(owner.uid).or_default();
         tenancy::check(limits, usage, QuotaKind::Sessions, 1)?;
         usage.add(QuotaKind::Sessions, 1);
-        s.last_session += 1;
+        s.last_session = s.last_session.next();
         let id = s.last_session;
         s.sessions.insert(
             id,

@@ -29,7 +29,7 @@ impl Registry {
         let usage = s.usage.entry(owner.uid).or_default();
         tenancy::check(limits, usage, QuotaKind::Keys, 1)?;
         usage.add(QuotaKind::Keys, 1);
-        s.last_key += 1;
+        s.last_key = s.last_key.next();
         let key_id = s.last_key;
         s.keys.insert(
             key_id,

@@ -1,0 +1,38 @@
+//! The ids of what the engine holds, one type each, so a session's id never passes where a
+//! region's is wanted. Each shows as its number, as in object paths and logs.
+
+use std::fmt;
+
+macro_rules! id {
+    ($(#[$doc:meta] $name:ident),* $(,)?) => {$(
+        #[$doc]
+        #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Default)]
+        pub struct $name(pub u64);
+
+        impl fmt::Display for $name {
+            fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                self.0.fmt(f)
+            }
+        }
+
+        impl $name {
+            /// The id after this one (ids are handed out in order, never reused).
+            pub(crate) fn next(self) -> $name {
+                $name(self.0 + 1)
+            }
+        }
+    )*};
+}
+
+id!(
+    /// A session (`/org/rdmad1/session/<n>`).
+    SessionId,
+    /// A region (`/org/rdmad1/region/<n>`).
+    RegionId,
+    /// An access key (`Region.Share` returns it with the token).
+    KeyId,
+    /// A queue pair (`/org/rdmad1/qp/<n>`).
+    QpId,
+    /// An export of a region through a queue pair.
+    ExportId,
+);
