@@ -1,15 +1,22 @@
 //! The ids of what the engine holds, one type each, so a session's id never passes where a
-//! region's is wanted. Each shows as its number, as in object paths and logs.
+//! region's is wanted. Each shows as its number (`Display` and `Debug`), as in object paths and logs.
 
 use std::fmt;
 
 macro_rules! id {
     ($(#[$doc:meta] $name:ident),* $(,)?) => {$(
         #[$doc]
-        #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Default)]
+        #[derive(Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Default)]
         pub struct $name(pub u64);
 
         impl fmt::Display for $name {
+            fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                self.0.fmt(f)
+            }
+        }
+
+        /// As the number, as logs have always shown it (`sessions=[5]`).
+        impl fmt::Debug for $name {
             fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
                 self.0.fmt(f)
             }
