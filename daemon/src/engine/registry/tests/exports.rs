@@ -2,32 +2,20 @@
 
 use super::*;
 
-/// Two queue pairs of `session` on loopback0, connected to each other.
-fn connected_pair(engine: &Engine, owner: &Caller, session: SessionId) -> [QpId; 2] {
-    use crate::engine::qp::QpOptions;
+/// Two queue pairs of `session` (`who`'s) on loopback0, connected to each other.
+fn connected_pair(who: &Tenant, session: SessionId) -> [QpId; 2] {
     use crate::provider::RemoteEndpoint;
-    let device = &engine.devices()[0].device;
-    let qps = [0, 1].map(|_| {
-        engine
-            .create_qp(
-                &owner.owner(),
-                &limits(&engine.config(), owner),
-                session,
-                "loopback0",
-                QpOptions::default(),
-            )
-            .unwrap()
-            .id
-    });
+    let device = &who.engine.devices()[0].device;
+    let qps = [0, 1].map(|_| who.create_qp(session));
     for (me, peer) in [(qps[0], qps[1]), (qps[1], qps[0])] {
-        let peer = engine.registry.own_qp(&owner.owner(), peer).unwrap();
+        let peer = who.engine.registry.own_qp(&who.owner, peer).unwrap();
         let remote = RemoteEndpoint {
             gid: peer.local.gid,
             qp_num: peer.local.qp_num,
             psn: peer.local.psn,
             lid: peer.local.lid,
         };
-        let record = engine.registry.own_qp(&owner.owner(), me).unwrap();
+        let record = who.engine.registry.own_qp(&who.owner, me).unwrap();
         record.connect(device.as_ref(), remote).unwrap();
     }
     qps
@@ -39,71 +27,28 @@ fn connected_pair(engine: &Engine, owner: &Caller, session: SessionId) -> [QpId;
 /// back, and another user's exports are not affected.
 #[test]
 fn exports_are_a_quota_given_back_by_every_release() {
-    let (engine, config) = engine_on(
+    let engine = engine_on(
         ProviderChoice::Loopback,
         &format!("{COLD_POOL}[quota.default]\nexports = 2\n"),
     );
     let pool = Arc::clone(engine.pool("p").unwrap());
     let device = Arc::clone(&engine.devices()[0].device);
     let exports = |uid| engine.registry.usage(uid).get(QuotaKind::Exports);
-    let alice = caller(1000, ":1.1");
-    let bob = caller(1001, ":1.2");
-    let s = engine
-        .registry
-        .open_session(&alice.owner(), &limits(&config, &alice))
-        .unwrap();
-    let qps = connected_pair(&engine, &alice, s);
-    let region = || {
-        engine
-            .registry
-            .allocate(
-                &alice.owner(),
-                &limits(&config, &alice),
-                &pools(&engine, &alice),
-                s,
-                &pool,
-                4096,
-            )
-            .unwrap()
-            .region
-    };
+    let alice = Tenant::new(&engine, caller(1000, ":1.1"));
+    let bob = Tenant::new(&engine, caller(1001, ":1.2"));
+    let s = alice.open_session();
+    let qps = connected_pair(&alice, s);
+    let region = || alice.allocate(s, &pool, 4096).unwrap().region;
     let r = region();
     let mws = device.object_counts().mws;
 
-    let (first, _, rkey1, _) = engine
-        .export_remote(
-            &alice.owner(),
-            &limits(&config, &alice),
-            r,
-            qps[0],
-            REMOTE_WRITE,
-        )
-        .map(ExportHandout::parts)
-        .unwrap();
-    let (second, _, rkey2, _) = engine
-        .export_remote(
-            &alice.owner(),
-            &limits(&config, &alice),
-            r,
-            qps[0],
-            REMOTE_WRITE,
-        )
-        .map(ExportHandout::parts)
-        .unwrap();
+    let (first, _, rkey1, _) = alice.export(r, qps[0], REMOTE_WRITE).unwrap();
+    let (second, _, rkey2, _) = alice.export(r, qps[0], REMOTE_WRITE).unwrap();
     assert_ne!(first, second, "a second export is an export of its own");
     assert_ne!(rkey1, rkey2, "with a window and an rkey of its own");
     assert_eq!(device.object_counts().mws, mws + 2);
     assert_eq!(exports(1000), 2);
-    let refused = engine
-        .export_remote(
-            &alice.owner(),
-            &limits(&config, &alice),
-            r,
-            qps[1],
-            REMOTE_READ,
-        )
-        .map(ExportHandout::parts)
-        .unwrap_err();
+    let refused = alice.export(r, qps[1], REMOTE_READ).unwrap_err();
     assert!(matches!(refused, EngineError::Quota(_)), "{refused}");
     assert!(
         refused
@@ -125,79 +70,29 @@ fn exports_are_a_quota_given_back_by_every_release() {
     );
 
     // Another user exports as before.
-    let sb = engine
-        .registry
-        .open_session(&bob.owner(), &limits(&config, &bob))
-        .unwrap();
-    let bob_qps = connected_pair(&engine, &bob, sb);
-    let rb = engine
-        .registry
-        .allocate(
-            &bob.owner(),
-            &limits(&config, &bob),
-            &pools(&engine, &bob),
-            sb,
-            &pool,
-            4096,
-        )
-        .unwrap()
-        .region;
-    engine
-        .export_remote(
-            &bob.owner(),
-            &limits(&config, &bob),
-            rb,
-            bob_qps[0],
-            REMOTE_WRITE,
-        )
-        .map(ExportHandout::parts)
-        .unwrap();
+    let sb = bob.open_session();
+    let bob_qps = connected_pair(&bob, sb);
+    let rb = bob.allocate(sb, &pool, 4096).unwrap().region;
+    bob.export(rb, bob_qps[0], REMOTE_WRITE).unwrap();
     assert_eq!(exports(1001), 1);
 
     // ReleaseExport gives one back.
-    engine.release_export(&alice.owner(), r, first).unwrap();
+    engine.release_export(&alice.owner, r, first).unwrap();
     assert_eq!(exports(1000), 1);
     // Freeing the region gives back what was exported over it.
-    engine
-        .export_remote(
-            &alice.owner(),
-            &limits(&config, &alice),
-            r,
-            qps[1],
-            REMOTE_READ,
-        )
-        .map(ExportHandout::parts)
-        .unwrap();
+    alice.export(r, qps[1], REMOTE_READ).unwrap();
     assert_eq!(exports(1000), 2);
-    engine.free(&alice.owner(), r).unwrap();
+    alice.free(r).unwrap();
     assert_eq!(exports(1000), 0);
     // Destroying the QP gives back what was exported through it; the region stays.
     let r = region();
-    let (through_destroyed, ..) = engine
-        .export_remote(
-            &alice.owner(),
-            &limits(&config, &alice),
-            r,
-            qps[0],
-            REMOTE_WRITE,
-        )
-        .map(ExportHandout::parts)
-        .unwrap();
-    engine
-        .export_remote(
-            &alice.owner(),
-            &limits(&config, &alice),
-            r,
-            qps[1],
-            REMOTE_WRITE,
-        )
-        .map(ExportHandout::parts)
-        .unwrap();
-    engine.destroy_qp(&alice.owner(), qps[0]).unwrap();
+    let (through_destroyed, ..) = alice.export(r, qps[0], REMOTE_WRITE).unwrap();
+    alice.export(r, qps[1], REMOTE_WRITE).unwrap();
+    engine.destroy_qp(&alice.owner, qps[0]).unwrap();
     assert_eq!(exports(1000), 1);
     assert!(
         matches!(
-            engine.release_export(&alice.owner(), r, through_destroyed),
+            engine.release_export(&alice.owner, r, through_destroyed),
             Err(EngineError::NoSuchObject(_))
         ),
         "an export of a destroyed QP is gone"
@@ -219,46 +114,23 @@ fn exports_are_a_quota_given_back_by_every_release() {
 /// loopback device's warning about it).
 #[test]
 fn windows_taken_out_keep_their_queue_pair_until_dropped() {
-    let (engine, config) = engine_on(ProviderChoice::Loopback, COLD_POOL);
+    let engine = engine_on(ProviderChoice::Loopback, COLD_POOL);
     let pool = Arc::clone(engine.pool("p").unwrap());
     let device = Arc::clone(&engine.devices()[0].device);
-    let alice = caller(1000, ":1.1");
-    let s = engine
-        .registry
-        .open_session(&alice.owner(), &limits(&config, &alice))
-        .unwrap();
-    let qps = connected_pair(&engine, &alice, s);
+    let alice = Tenant::new(&engine, caller(1000, ":1.1"));
+    let s = alice.open_session();
+    let qps = connected_pair(&alice, s);
     let qps_alive = || device.object_counts().qps;
     assert_eq!(qps_alive(), 2);
 
     // ReleaseExport: the window is handed out, the QP destroyed before it is dropped.
-    let region = engine
-        .registry
-        .allocate(
-            &alice.owner(),
-            &limits(&config, &alice),
-            &pools(&engine, &alice),
-            s,
-            &pool,
-            4096,
-        )
-        .unwrap()
-        .region;
-    let (export, ..) = engine
-        .export_remote(
-            &alice.owner(),
-            &limits(&config, &alice),
-            region,
-            qps[0],
-            REMOTE_WRITE,
-        )
-        .map(ExportHandout::parts)
-        .unwrap();
+    let region = alice.allocate(s, &pool, 4096).unwrap().region;
+    let (export, ..) = alice.export(region, qps[0], REMOTE_WRITE).unwrap();
     let (_, taken) = engine
         .registry
-        .remove_export(&alice.owner(), region, export)
+        .remove_export(&alice.owner, region, export)
         .unwrap();
-    engine.destroy_qp(&alice.owner(), qps[0]).unwrap();
+    engine.destroy_qp(&alice.owner, qps[0]).unwrap();
     assert_eq!(
         qps_alive(),
         2,
@@ -268,18 +140,9 @@ fn windows_taken_out_keep_their_queue_pair_until_dropped() {
     assert_eq!(qps_alive(), 1);
 
     // A freed region: its windows go with the garbage, the QP destroyed meanwhile.
-    engine
-        .export_remote(
-            &alice.owner(),
-            &limits(&config, &alice),
-            region,
-            qps[1],
-            REMOTE_READ,
-        )
-        .map(ExportHandout::parts)
-        .unwrap();
+    alice.export(region, qps[1], REMOTE_READ).unwrap();
     let garbage = Registry::remove_region(&mut engine.registry.lock(), region).unwrap();
-    engine.destroy_qp(&alice.owner(), qps[1]).unwrap();
+    engine.destroy_qp(&alice.owner, qps[1]).unwrap();
     assert_eq!(
         qps_alive(),
         1,

@@ -25,23 +25,9 @@ crate::on_both_providers!(
     pool_acl_is_enforced / rxe_pool_acl_is_enforced,
 );
 
-fn engine_on(provider: ProviderChoice, text: &str) -> (Engine, Config) {
+fn engine_on(provider: ProviderChoice, text: &str) -> Engine {
     let config = Config::parse(std::path::Path::new("t.toml"), text).unwrap();
-    let engine = Engine::start(config.clone(), PathBuf::from("/dev/null"), Some(provider)).unwrap();
-    (engine, config)
-}
-
-/// What the policy layer makes of `who` under `config`: its limits, scope and pool access.
-fn limits(config: &Config, who: &Caller) -> Limits {
-    crate::policy::limits(who, config)
-}
-
-fn scope(config: &Config, who: &Caller) -> Scope {
-    crate::policy::scope(who, config)
-}
-
-fn pools(engine: &Engine, who: &Caller) -> PoolAccess {
-    crate::policy::pool_access(who, &engine.pool_configs())
+    Engine::start(config, PathBuf::from("/dev/null"), Some(provider)).unwrap()
 }
 
 const REMOTE_WRITE: RemoteRights = RemoteRights {
@@ -65,43 +51,139 @@ fn caller(uid: u32, bus: &str) -> Caller {
     }
 }
 
+/// A test caller and what the policy layer makes of it under the configuration `engine`
+/// has in force when it is made: the owner, limits, scope and pool access the engine
+/// takes, with the calls the tests make on its behalf. Those whose refusal some test
+/// checks return the `Result`; the others unwrap.
+struct Tenant<'e> {
+    engine: &'e Engine,
+    caller: Caller,
+    owner: Owner,
+    limits: Limits,
+    scope: Scope,
+    pools: PoolAccess,
+}
+
+impl<'e> Tenant<'e> {
+    fn new(engine: &'e Engine, caller: Caller) -> Self {
+        let config = engine.config();
+        Tenant {
+            engine,
+            owner: caller.owner(),
+            limits: crate::policy::limits(&caller, &config),
+            scope: crate::policy::scope(&caller, &config),
+            pools: crate::policy::pool_access(&caller, &engine.pool_configs()),
+            caller,
+        }
+    }
+
+    fn open_session(&self) -> SessionId {
+        self.engine
+            .registry
+            .open_session(&self.owner, &self.limits)
+            .unwrap()
+    }
+
+    fn allocate(
+        &self,
+        session: SessionId,
+        pool: &Arc<Pool>,
+        size: u64,
+    ) -> Result<Handout, EngineError> {
+        self.engine
+            .registry
+            .allocate(&self.owner, &self.limits, &self.pools, session, pool, size)
+    }
+
+    fn share(
+        &self,
+        region: RegionId,
+        mode: AttachMode,
+        lifetime: Option<Duration>,
+    ) -> Result<(String, KeyId), EngineError> {
+        self.engine
+            .registry
+            .share(&self.owner, &self.limits, region, mode, lifetime)
+    }
+
+    fn attach(&self, session: SessionId, token: &str) -> Result<Handout, EngineError> {
+        self.engine
+            .registry
+            .attach(&self.owner, &self.pools, session, token)
+    }
+
+    fn revoke(&self, key: KeyId) -> Result<(), EngineError> {
+        self.engine.registry.revoke(&self.owner, self.scope, key)
+    }
+
+    fn session(&self, id: SessionId) -> Result<SessionInfo, EngineError> {
+        self.engine.registry.session(&self.owner, self.scope, id)
+    }
+
+    fn sessions(&self) -> Vec<SessionInfo> {
+        self.engine.registry.sessions(&self.owner, self.scope)
+    }
+
+    fn close_session(&self, id: SessionId) -> Result<Removed, EngineError> {
+        self.engine.close_session(&self.owner, self.scope, id)
+    }
+
+    fn free(&self, region: RegionId) -> Result<Removed, EngineError> {
+        self.engine.free(&self.owner, region)
+    }
+
+    /// A queue pair of `session` on loopback0, with the default options.
+    fn create_qp(&self, session: SessionId) -> QpId {
+        use crate::engine::qp::QpOptions;
+        self.engine
+            .create_qp(
+                &self.owner,
+                &self.limits,
+                session,
+                "loopback0",
+                QpOptions::default(),
+            )
+            .unwrap()
+            .id
+    }
+
+    /// Exports `region` through `qp` with `rights`: (export, addr, rkey, len).
+    fn export(
+        &self,
+        region: RegionId,
+        qp: QpId,
+        rights: RemoteRights,
+    ) -> Result<(ExportId, u64, u32, u64), EngineError> {
+        self.engine
+            .export_remote(&self.owner, &self.limits, region, qp, rights)
+            .map(ExportHandout::parts)
+    }
+}
+
+/// Alice (uid 1000) and Bob (uid 1001), each with a session of their own, Alice's opened
+/// first.
+fn alice_and_bob(engine: &Engine) -> [(Tenant<'_>, SessionId); 2] {
+    [caller(1000, ":1.1"), caller(1001, ":1.2")].map(|who| {
+        let who = Tenant::new(engine, who);
+        let session = who.open_session();
+        (who, session)
+    })
+}
+
 /// A session whose connection left counts as a session until everything it held is
 /// released, so that an observer who sees the count drop (`ObjectCounts`, tests waiting
 /// for a killed client's session to go) also sees its queue pairs and memory released.
 #[test]
 fn a_closing_session_counts_until_its_objects_are_released() {
-    use crate::engine::qp::QpOptions;
-    let (engine, config) = engine_on(ProviderChoice::Loopback, COLD_POOL);
-    let engine = Arc::new(engine);
+    let engine = Arc::new(engine_on(ProviderChoice::Loopback, COLD_POOL));
     let pool = Arc::clone(engine.pool("p").unwrap());
     let device = Arc::clone(&engine.devices()[0].device);
     let baseline = device.object_counts();
     for round in 0..100 {
-        let alice = caller(1000, ":1.1");
-        let s = engine
-            .registry
-            .open_session(&alice.owner(), &limits(&config, &alice))
-            .unwrap();
-        engine
-            .create_qp(
-                &alice.owner(),
-                &limits(&config, &alice),
-                s,
-                "loopback0",
-                QpOptions::default(),
-            )
-            .unwrap();
-        engine
-            .registry
-            .allocate(
-                &alice.owner(),
-                &limits(&config, &alice),
-                &pools(&engine, &alice),
-                s,
-                &pool,
-                4096,
-            )
-            .unwrap();
+        let alice = Tenant::new(&engine, caller(1000, ":1.1"));
+        let s = alice.open_session();
+        alice.create_qp(s);
+        alice.allocate(s, &pool, 4096).unwrap();
         let closer = {
             let engine = Arc::clone(&engine);
             std::thread::spawn(move || engine.close_sessions_of(":1.1"))
@@ -122,73 +204,38 @@ fn a_closing_session_counts_until_its_objects_are_released() {
 /// (`policy::lookups`), so each call here would panic if one still did.
 #[test]
 fn user_and_group_lookups_never_run_under_the_registry_lock() {
-    let (engine, config) = engine_on(
+    let engine = engine_on(
         ProviderChoice::Loopback,
         "[daemon]\nadmin_group = \"root\"\n\n[[pool]]\nname = \"acl\"\n\
          capacity = \"1MiB\"\nsize_classes = [\"4KiB\"]\nusers = [\"root\"]\n\
          groups = [\"root\"]\n",
     );
     let pool = Arc::clone(engine.pool("acl").unwrap());
-    let root = caller(0, ":1.0");
+    let root = Tenant::new(&engine, caller(0, ":1.0"));
     // Not root, but in the administrators' group (and the pool's).
-    let carol = Caller {
-        gids: vec![0],
-        ..caller(1002, ":1.3")
-    };
-    let owner = engine
-        .registry
-        .open_session(&root.owner(), &limits(&config, &root))
-        .unwrap();
-    let region = engine
-        .registry
-        .allocate(
-            &root.owner(),
-            &limits(&config, &root),
-            &pools(&engine, &root),
-            owner,
-            &pool,
-            4096,
-        )
-        .unwrap()
-        .region;
-    let (token, key) = engine
-        .registry
-        .share(
-            &root.owner(),
-            &limits(&config, &root),
-            region,
-            AttachMode::ReadOnly,
-            None,
-        )
-        .unwrap();
-    let attacher = engine
-        .registry
-        .open_session(&carol.owner(), &limits(&config, &carol))
-        .unwrap();
-    let handout = engine
-        .registry
-        .attach(&carol.owner(), &pools(&engine, &carol), attacher, &token)
-        .unwrap();
+    let carol = Tenant::new(
+        &engine,
+        Caller {
+            gids: vec![0],
+            ..caller(1002, ":1.3")
+        },
+    );
+    let owner = root.open_session();
+    let region = root.allocate(owner, &pool, 4096).unwrap().region;
+    let (token, key) = root.share(region, AttachMode::ReadOnly, None).unwrap();
+    let attacher = carol.open_session();
+    let handout = carol.attach(attacher, &token).unwrap();
     assert_eq!(handout.region, region, "the pool's group lets carol attach");
     assert_eq!(
-        engine
-            .registry
-            .session(&carol.owner(), scope(&config, &carol), owner)
-            .unwrap()
-            .uid,
+        carol.session(owner).unwrap().uid,
         0,
         "an administrator reads another user's session"
     );
     engine
         .registry
-        .quota(&crate::policy::limits_of(&carol, &config, 0).unwrap());
-    engine
-        .registry
-        .revoke(&carol.owner(), scope(&config, &carol), key)
-        .unwrap();
-    let removed = engine
-        .close_session(&carol.owner(), scope(&config, &carol), owner)
-        .unwrap();
+        .quota(&crate::policy::limits_of(&carol.caller, &engine.config(), 0).unwrap());
+    carol.revoke(key).unwrap();
+    let removed = carol.close_session(owner).unwrap();
     assert_eq!(removed.regions, vec![region]);
 }
 

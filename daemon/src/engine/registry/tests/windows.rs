@@ -101,6 +101,38 @@ impl Peer {
     }
 }
 
+/// A session of `who`'s with a queue pair connected to a new peer, and a region of `pool`
+/// exported through it for the peer to write.
+struct Exported {
+    session: SessionId,
+    qp: QpId,
+    record: Arc<QueuePairRecord>,
+    peer: Peer,
+    region: RegionId,
+    export: ExportId,
+    addr: u64,
+    rkey: u32,
+}
+
+fn exported(who: &Tenant, pool: &Arc<Pool>) -> Exported {
+    let session = who.open_session();
+    let qp = who.create_qp(session);
+    let record = who.engine.registry.own_qp(&who.owner, qp).unwrap();
+    let peer = Peer::connect_to(&who.engine.devices()[0], &record);
+    let region = who.allocate(session, pool, 4096).unwrap().region;
+    let (export, addr, rkey, _) = who.export(region, qp, REMOTE_WRITE).unwrap();
+    Exported {
+        session,
+        qp,
+        record,
+        peer,
+        region,
+        export,
+        addr,
+        rkey,
+    }
+}
+
 /// On every path that ends an export's window — ReleaseExport, freeing the region,
 /// destroying the queue pair, closing the session (its client died), closing every
 /// session (shutdown) — the window is deallocated before the region's registration is
@@ -111,64 +143,32 @@ impl Peer {
 /// window), and once the queue pair is let go of, nothing is left.
 #[test]
 fn windows_go_before_their_memory_on_every_path() {
-    use crate::engine::qp::QpOptions;
     use crate::provider::WcStatus;
-    let (engine, config) = engine_on(ProviderChoice::Loopback, COLD_POOL);
+    let engine = engine_on(ProviderChoice::Loopback, COLD_POOL);
     let pool = Arc::clone(engine.pool("p").unwrap());
-    let entry = &engine.devices()[0];
-    let device = Arc::clone(&entry.device);
-    let alice = caller(1000, ":1.1");
+    let device = Arc::clone(&engine.devices()[0].device);
+    let alice = Tenant::new(&engine, caller(1000, ":1.1"));
     let baseline = device.object_counts();
     for path in ["release", "free", "destroy", "close", "close all"] {
-        let s = engine
-            .registry
-            .open_session(&alice.owner(), &limits(&config, &alice))
-            .unwrap();
-        let qp = engine
-            .create_qp(
-                &alice.owner(),
-                &limits(&config, &alice),
-                s,
-                "loopback0",
-                QpOptions::default(),
-            )
-            .unwrap()
-            .id;
-        let record = engine.registry.own_qp(&alice.owner(), qp).unwrap();
-        let peer = Peer::connect_to(entry, &record);
-        let region = engine
-            .registry
-            .allocate(
-                &alice.owner(),
-                &limits(&config, &alice),
-                &pools(&engine, &alice),
-                s,
-                &pool,
-                4096,
-            )
-            .unwrap()
-            .region;
-        let (export, addr, rkey, _) = engine
-            .export_remote(
-                &alice.owner(),
-                &limits(&config, &alice),
-                region,
-                qp,
-                REMOTE_WRITE,
-            )
-            .map(ExportHandout::parts)
-            .unwrap();
+        let Exported {
+            session: s,
+            qp,
+            record,
+            peer,
+            region,
+            export,
+            addr,
+            rkey,
+        } = exported(&alice, &pool);
         assert_eq!(peer.write(addr, rkey), WcStatus::Success, "{path}");
         let with_region = device.object_counts();
         match path {
-            "release" => engine
-                .release_export(&alice.owner(), region, export)
-                .unwrap(),
+            "release" => engine.release_export(&alice.owner, region, export).unwrap(),
             "free" => {
-                engine.free(&alice.owner(), region).unwrap();
+                alice.free(region).unwrap();
             }
             "destroy" => {
-                engine.destroy_qp(&alice.owner(), qp).unwrap();
+                engine.destroy_qp(&alice.owner, qp).unwrap();
             }
             "close" => assert_eq!(engine.close_sessions_of(":1.1").sessions, [s]),
             _ => assert_eq!(engine.close_all().sessions, [s]),
@@ -208,56 +208,25 @@ fn windows_go_before_their_memory_on_every_path() {
 /// every teardown until the device accepts.
 #[test]
 fn a_refused_deregistration_lingers_and_is_retried() {
-    use crate::engine::qp::QpOptions;
     use crate::provider::{ObjectKind, WcStatus};
-    let (engine, config) = engine_on(ProviderChoice::Loopback, COLD_POOL);
+    let engine = engine_on(ProviderChoice::Loopback, COLD_POOL);
     let pool = Arc::clone(engine.pool("p").unwrap());
-    let entry = &engine.devices()[0];
-    let device = Arc::clone(&entry.device);
-    let alice = caller(1000, ":1.1");
+    let device = Arc::clone(&engine.devices()[0].device);
+    let alice = Tenant::new(&engine, caller(1000, ":1.1"));
     let baseline = device.object_counts();
-    let s = engine
-        .registry
-        .open_session(&alice.owner(), &limits(&config, &alice))
-        .unwrap();
-    let qp = engine
-        .create_qp(
-            &alice.owner(),
-            &limits(&config, &alice),
-            s,
-            "loopback0",
-            QpOptions::default(),
-        )
-        .unwrap()
-        .id;
-    let record = engine.registry.own_qp(&alice.owner(), qp).unwrap();
-    let peer = Peer::connect_to(entry, &record);
-    let region = engine
-        .registry
-        .allocate(
-            &alice.owner(),
-            &limits(&config, &alice),
-            &pools(&engine, &alice),
-            s,
-            &pool,
-            4096,
-        )
-        .unwrap()
-        .region;
-    let (export, addr, rkey, _) = engine
-        .export_remote(
-            &alice.owner(),
-            &limits(&config, &alice),
-            region,
-            qp,
-            REMOTE_WRITE,
-        )
-        .map(ExportHandout::parts)
-        .unwrap();
+    let Exported {
+        record,
+        peer,
+        region,
+        export,
+        addr,
+        rkey,
+        ..
+    } = exported(&alice, &pool);
     // Keep the window, let go of the registration it is bound over, free the region.
     let (_, taken) = engine
         .registry
-        .remove_export(&alice.owner(), region, export)
+        .remove_export(&alice.owner, region, export)
         .unwrap();
     let TakenWindow {
         window,
@@ -265,7 +234,7 @@ fn a_refused_deregistration_lingers_and_is_retried() {
         over,
     } = taken;
     drop(over);
-    engine.free(&alice.owner(), region).unwrap();
+    alice.free(region).unwrap();
     let lingering = engine.lingering();
     assert_eq!(lingering.len(), 1, "{lingering:?}");
     let (name, l) = &lingering[0];
