@@ -19,6 +19,17 @@ pub struct QueuePairRing {
     cq_head: u32,
 }
 
+/// How [`QueuePairRing::wait_with`] waits while no completion is there.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Wait {
+    /// Sleep on the completion channel at once: no CPU while waiting, a wake-up's latency
+    /// (a system call on each side) per completion waited for.
+    Block,
+    /// Busy-poll the ring for up to this long, then sleep as `Block` does: while spinning,
+    /// neither side makes a system call for a completion.
+    Spin(Duration),
+}
+
 /// The submission ring is full: take completions, then submit again.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct RingFull;
@@ -112,9 +123,27 @@ impl QueuePairRing {
             .ok_or_else(|| io::Error::new(io::ErrorKind::InvalidData, "malformed completion"))
     }
 
-    /// Waits up to `timeout` for the next completion.
+    /// Waits up to `timeout` for the next completion, sleeping on the completion channel.
     pub fn wait(&mut self, timeout: Duration) -> io::Result<Option<Completion>> {
-        let deadline = std::time::Instant::now() + timeout;
+        self.wait_with(Wait::Block, timeout)
+    }
+
+    /// Waits up to `timeout` for the next completion, spinning first if `how` says so.
+    pub fn wait_with(&mut self, how: Wait, timeout: Duration) -> io::Result<Option<Completion>> {
+        let start = std::time::Instant::now();
+        let deadline = start + timeout;
+        if let Wait::Spin(budget) = how {
+            let spin_until = start + budget.min(timeout);
+            loop {
+                if let Some(c) = self.poll()? {
+                    return Ok(Some(c));
+                }
+                if std::time::Instant::now() >= spin_until {
+                    break;
+                }
+                std::hint::spin_loop();
+            }
+        }
         loop {
             if let Some(c) = self.poll()? {
                 return Ok(Some(c));
@@ -123,24 +152,39 @@ impl QueuePairRing {
             if left.is_zero() {
                 return Ok(None);
             }
-            let mut fds = [nix::poll::PollFd::new(
-                self.completions.as_fd(),
-                nix::poll::PollFlags::POLLIN,
-            )];
-            let ms = u16::try_from(left.as_millis().min(1000)).unwrap_or(1000);
-            nix::poll::poll(&mut fds, nix::poll::PollTimeout::from(ms))?;
-            let mut buf = [0u8; 256];
-            match nix::unistd::read(std::os::fd::AsRawFd::as_raw_fd(&self.completions), &mut buf) {
-                // The daemon holds the other end as long as it serves the QP.
-                Ok(0) => {
-                    return Err(io::Error::new(
-                        io::ErrorKind::BrokenPipe,
-                        "rdmad no longer serves this queue pair (destroyed, or rdmad stopped)",
-                    ))
-                }
-                Ok(_) | Err(nix::errno::Errno::EAGAIN) => {}
-                Err(e) => return Err(e.into()),
+            // Ask for a wake-up, then look again: the daemon stores its tail, then loads
+            // the flag; one of the two sees the other's store.
+            self.map.store_u32(header::CQ_FLAGS, ring::CQ_NEED_WAKEUP)?;
+            std::sync::atomic::fence(std::sync::atomic::Ordering::SeqCst);
+            let found = self.poll();
+            if !matches!(found, Ok(None)) {
+                self.map.store_u32(header::CQ_FLAGS, 0)?;
+                return found;
             }
+            let slept = self.sleep(left);
+            self.map.store_u32(header::CQ_FLAGS, 0)?;
+            slept?;
+        }
+    }
+
+    /// Sleeps on the completion channel for up to `left` (at most a second at a time) and
+    /// reads it empty.
+    fn sleep(&self, left: Duration) -> io::Result<()> {
+        let mut fds = [nix::poll::PollFd::new(
+            self.completions.as_fd(),
+            nix::poll::PollFlags::POLLIN,
+        )];
+        let ms = u16::try_from(left.as_millis().clamp(1, 1000)).unwrap_or(1000);
+        nix::poll::poll(&mut fds, nix::poll::PollTimeout::from(ms))?;
+        let mut buf = [0u8; 256];
+        match nix::unistd::read(std::os::fd::AsRawFd::as_raw_fd(&self.completions), &mut buf) {
+            // The daemon holds the other end as long as it serves the QP.
+            Ok(0) => Err(io::Error::new(
+                io::ErrorKind::BrokenPipe,
+                "rdmad no longer serves this queue pair (destroyed, or rdmad stopped)",
+            )),
+            Ok(_) | Err(nix::errno::Errno::EAGAIN) => Ok(()),
+            Err(e) => Err(e.into()),
         }
     }
 

@@ -11,7 +11,9 @@
 
 /// `"RDQ1"`.
 pub const MAGIC: u32 = 0x5244_5131;
-pub const VERSION: u32 = 1;
+/// 2: the client's `CQ_FLAGS` word ([`CQ_NEED_WAKEUP`]); a version-1 client would never be
+/// woken.
+pub const VERSION: u32 = 2;
 
 /// Scatter/gather elements per work request.
 pub const MAX_SGE: usize = 4;
@@ -40,7 +42,9 @@ pub mod header {
     pub const CQ_TAIL: usize = 320;
     /// Completions the daemon holds back because the completion ring is full (daemon).
     pub const CQ_OVERFLOW: usize = 384;
-    pub const SIZE: usize = 448;
+    /// [`super::CQ_NEED_WAKEUP`] (written by the client).
+    pub const CQ_FLAGS: usize = 448;
+    pub const SIZE: usize = 512;
 }
 
 /// Set by the daemon when its worker sleeps: the client must write a byte to the doorbell
@@ -51,6 +55,11 @@ pub const SQ_NEED_WAKEUP: u32 = 1;
 /// (it then also stops taking submissions): the client writes the doorbell after it makes
 /// room, or the daemon looks again only after a while.
 pub const CQ_WAITING: u32 = 2;
+
+/// Set by the client in `CQ_FLAGS` before it sleeps on the completion channel: the daemon
+/// writes the channel after publishing completions only while it is set (a spinning
+/// client sees them anyway, and costs the daemon no system call).
+pub const CQ_NEED_WAKEUP: u32 = 1;
 
 /// Where everything lies in a ring memfd with the given depths (powers of two).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -71,7 +80,7 @@ impl Layout {
     }
 
     pub fn sq_offset(&self) -> usize {
-        512
+        header::SIZE
     }
 
     pub fn cq_offset(&self) -> usize {

@@ -45,6 +45,17 @@ pub(super) struct ServedQp {
     backlog: VecDeque<Completion>,
     /// Whether `CQ_WAITING` is set in the ring.
     waiting: bool,
+    /// Reused for every pass, so that a steady stream of requests allocates no batches.
+    scratch: Scratch,
+}
+
+/// What one pass over a QP builds, kept between passes.
+#[derive(Default)]
+struct Scratch {
+    sends: Vec<crate::provider::SendWr>,
+    recvs: Vec<crate::provider::RecvWr>,
+    staged: Vec<(u64, InFlight)>,
+    wcs: Vec<WorkCompletion>,
 }
 
 impl ServedQp {
@@ -61,6 +72,7 @@ impl ServedQp {
             recvs: 0,
             backlog: VecDeque::new(),
             waiting: false,
+            scratch: Scratch::default(),
         }
     }
 
@@ -140,9 +152,8 @@ impl ServedQp {
             let _ = ring.store_u32(header::SQ_HEAD, self.sq_head);
             return true;
         }
-        let mut sends = Vec::new();
-        let mut recvs = Vec::new();
-        let mut staged = Vec::new();
+        let mut scratch = std::mem::take(&mut self.scratch);
+        let (sends, recvs, staged) = (&mut scratch.sends, &mut scratch.recvs, &mut scratch.staged);
         for _ in 0..pending.min(TAKE_PER_PASS) {
             let mut bytes = [0u8; SQE_SIZE];
             // Copy first: the client may rewrite the slot at any moment.
@@ -207,43 +218,55 @@ impl ServedQp {
                 e.posted
             }
         };
-        let mut posted = std::collections::HashSet::new();
+        // A device takes a prefix of each batch; request ids grow in the order they were
+        // staged, so the first one it did not take marks the cut.
+        let cut = |ids: &mut dyn Iterator<Item = u64>, n: usize| ids.nth(n).unwrap_or(u64::MAX);
+        let mut recv_cut = u64::MAX;
         if !recvs.is_empty() {
-            let n = taken("post_recv", recvs.len(), self.record.qp.post_recv(&recvs));
-            posted.extend(recvs.iter().take(n).map(|w| w.wr_id));
+            let n = taken("post_recv", recvs.len(), self.record.qp.post_recv(recvs));
+            recv_cut = cut(&mut recvs.iter().map(|w| w.wr_id), n);
         }
+        let mut send_cut = u64::MAX;
         if !sends.is_empty() {
-            let n = taken("post_send", sends.len(), self.record.qp.post_send(&sends));
-            posted.extend(sends.iter().take(n).map(|w| w.wr_id));
+            let n = taken("post_send", sends.len(), self.record.qp.post_send(sends));
+            send_cut = cut(&mut sends.iter().map(|w| w.wr_id), n);
         }
-        for (wr, flight) in staged {
-            if posted.contains(&wr) {
-                if flight.opcode == Opcode::Recv {
+        let mut posted = 0;
+        for (wr, flight) in staged.drain(..) {
+            let is_recv = flight.opcode == Opcode::Recv;
+            if wr < if is_recv { recv_cut } else { send_cut } {
+                if is_recv {
                     self.recvs += 1;
                 } else {
                     self.sends += 1;
                 }
                 self.in_flight.insert(wr, flight);
-                self.record
-                    .counters
-                    .posted
-                    .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                posted += 1;
             } else {
                 self.refuse(flight.client_wr_id, flight.opcode, Status::DeviceError, 0);
             }
         }
+        self.record
+            .counters
+            .posted
+            .fetch_add(posted, std::sync::atomic::Ordering::Relaxed);
+        sends.clear();
+        recvs.clear();
+        self.scratch = scratch;
         true
     }
 
     /// Takes completions from the CQ; returns whether there were any.
     pub(super) fn reap(&mut self) -> bool {
-        let mut wcs: Vec<WorkCompletion> = Vec::new();
+        let mut wcs = std::mem::take(&mut self.scratch.wcs);
+        wcs.clear();
         if let Err(e) = self.record.cq.poll(&mut wcs, 64) {
             tracing::warn!(qp = %self.id, "poll: {e}");
+            self.scratch.wcs = wcs;
             return false;
         }
         let any = !wcs.is_empty();
-        for wc in wcs {
+        for wc in wcs.drain(..) {
             if let Some(waiter) = self.internal.remove(&wc.wr_id) {
                 self.sends -= 1;
                 let result = match wc.status {
@@ -283,6 +306,7 @@ impl ServedQp {
                 });
             }
         }
+        self.scratch.wcs = wcs;
         any
     }
 
@@ -316,7 +340,15 @@ impl ServedQp {
         }
         if delivered > 0 {
             let _ = ring.store_u32(header::CQ_TAIL, self.cq_tail);
-            self.record.completion_event.signal();
+            // Store the tail, then load the client's flag; the client stores the flag, then
+            // loads the tail. A client that spins is not woken: no system call for it.
+            std::sync::atomic::fence(std::sync::atomic::Ordering::SeqCst);
+            let sleeping = ring
+                .load_u32(header::CQ_FLAGS)
+                .map_or(true, |flags| flags & ring::CQ_NEED_WAKEUP != 0);
+            if sleeping {
+                self.record.completion_event.signal();
+            }
         }
         if self.waiting || !self.backlog.is_empty() {
             self.store_flags(false);

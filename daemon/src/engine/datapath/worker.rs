@@ -6,6 +6,7 @@
 //! the model).
 
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -22,8 +23,8 @@ use crate::provider::{PostError, WcStatus};
 pub struct WorkerQps {
     qps: Mutex<Vec<(QpId, Arc<QueuePairRecord>)>>,
     /// Bumped by every change; the worker copies it to `applied` once it has let go of
-    /// removed QPs.
-    wanted: Mutex<u64>,
+    /// removed QPs. An atomic, so that the worker's look at it each pass takes no lock.
+    wanted: AtomicU64,
     applied: Mutex<u64>,
     applied_cv: std::sync::Condvar,
 }
@@ -63,9 +64,7 @@ pub struct Command {
 
 impl WorkerQps {
     fn bump(&self) -> u64 {
-        let mut wanted = lock(&self.wanted);
-        *wanted += 1;
-        *wanted
+        self.wanted.fetch_add(1, Ordering::AcqRel) + 1
     }
 
     /// Waits until the worker has applied change `generation` (bounded, so a stuck device
@@ -88,12 +87,34 @@ impl WorkerQps {
     }
 }
 
+/// Commands for the worker: a list, and a flag the worker reads each pass without taking
+/// the list's lock.
+#[derive(Default)]
+struct Commands {
+    list: Mutex<Vec<Command>>,
+    pending: AtomicBool,
+}
+
+impl Commands {
+    fn push(&self, command: Command) {
+        lock(&self.list).push(command);
+        self.pending.store(true, Ordering::Release);
+    }
+
+    fn take(&self) -> Vec<Command> {
+        if !self.pending.swap(false, Ordering::AcqRel) {
+            return Vec::new();
+        }
+        std::mem::take(&mut *lock(&self.list))
+    }
+}
+
 /// A running worker; dropping it stops the thread.
 pub struct Worker {
     qps: Arc<WorkerQps>,
-    commands: Arc<Mutex<Vec<Command>>>,
+    commands: Arc<Commands>,
     wake: OwnedFd,
-    stop: Arc<std::sync::atomic::AtomicBool>,
+    stop: Arc<AtomicBool>,
     thread: Option<std::thread::JoinHandle<()>>,
 }
 
@@ -117,9 +138,9 @@ impl Worker {
     /// Starts the worker of `device`.
     pub fn spawn(device: &str, spin: Duration) -> std::io::Result<Worker> {
         let qps = Arc::new(WorkerQps::default());
-        let commands: Arc<Mutex<Vec<Command>>> = Arc::default();
+        let commands: Arc<Commands> = Arc::default();
         let wake = eventfd()?;
-        let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let stop = Arc::new(AtomicBool::new(false));
         let thread = {
             let (qps, stop, commands) =
                 (Arc::clone(&qps), Arc::clone(&stop), Arc::clone(&commands));
@@ -141,7 +162,7 @@ impl Worker {
     /// answers is an error, not a hang).
     pub fn run(&self, qp: QpId, op: crate::provider::SendOp) -> Result<(), WorkerError> {
         let (reply, answer) = std::sync::mpsc::channel();
-        lock(&self.commands).push(Command { qp, op, reply });
+        self.commands.push(Command { qp, op, reply });
         self.poke();
         match answer.recv_timeout(Duration::from_secs(60)) {
             Ok(result) => result,
@@ -177,7 +198,7 @@ impl Worker {
 
 impl Drop for Worker {
     fn drop(&mut self) {
-        self.stop.store(true, std::sync::atomic::Ordering::Release);
+        self.stop.store(true, Ordering::Release);
         self.poke();
         if let Some(t) = self.thread.take() {
             if t.join().is_err() {
@@ -187,21 +208,15 @@ impl Drop for Worker {
     }
 }
 
-fn run(
-    shared: &WorkerQps,
-    commands: &Mutex<Vec<Command>>,
-    wake: &OwnedFd,
-    stop: &std::sync::atomic::AtomicBool,
-    spin: Duration,
-) {
+fn run(shared: &WorkerQps, commands: &Commands, wake: &OwnedFd, stop: &AtomicBool, spin: Duration) {
     let mut qps: Vec<ServedQp> = Vec::new();
     let mut last_work = Instant::now();
     let mut seen = 0;
-    while !stop.load(std::sync::atomic::Ordering::Acquire) {
+    while !stop.load(Ordering::Acquire) {
         // Commands are taken before the QP changes are looked at: a command for a QP just
         // added (`add`, then `run`) then always finds it served.
-        let pending = std::mem::take(&mut *lock(commands));
-        let wanted = *lock(&shared.wanted);
+        let pending = commands.take();
+        let wanted = shared.wanted.load(Ordering::Acquire);
         if wanted != seen && !handback_held(&qps, shared) {
             let current = lock(&shared.qps).clone();
             qps.retain(|q| current.iter().any(|(id, _)| *id == q.id));
@@ -281,7 +296,7 @@ fn sleep(qps: &mut [ServedQp], wake: &OwnedFd) {
     // with the client's (store tail or head, fence, load flags): one of the two sees the
     // other. Completions held back for a full ring are not work until the client makes
     // room (and rings the doorbell, as CQ_WAITING asks): the worker does not spin on them.
-    std::sync::atomic::fence(std::sync::atomic::Ordering::SeqCst);
+    std::sync::atomic::fence(Ordering::SeqCst);
     let pending = qps.iter().any(ServedQp::ready);
     if !pending {
         let mut events = [EpollEvent::empty(); 16];

@@ -1,8 +1,8 @@
-//! `rdmad-bench`: what a region from rdmad's warm pool costs a client, against registering
-//! its own memory on the same device.
+//! `rdmad-bench [regions]`: what a region from rdmad's warm pool costs a client, against
+//! registering its own memory on the same device.
 //!
 //! ```text
-//! rdmad-bench [--provider loopback|verbs] [--device NAME] [--iterations N] [--no-cold]
+//! rdmad-bench [regions] [--provider loopback|verbs] [--device NAME] [--iterations N] [--no-cold]
 //! ```
 //!
 //! For each size (4 KiB … 64 MiB), in one run:
@@ -20,7 +20,6 @@
 //! `--iterations N` (default 200) applies to sizes up to 1 MiB; 16 MiB runs N/4 and
 //! 64 MiB N/10 iterations (at least 5). Two untimed iterations precede every series.
 
-use std::error::Error;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -31,10 +30,10 @@ use rdmad_client::names::pool_path;
 use rdmad_client::proxy::{ManagerProxy, Options, PoolProxy, RegionProxy, SessionProxy};
 use rdmad_tests::bus::PrivateBus;
 use rdmad_tests::daemon::{Daemon, DaemonOptions};
+
+use crate::{machine, percentile, us, Result};
 use zbus::proxy::CacheProperties;
 use zbus::zvariant::{OwnedFd, OwnedObjectPath};
-
-type Result<T, E = Box<dyn Error>> = std::result::Result<T, E>;
 
 const KIB: u64 = 1 << 10;
 const MIB: u64 = 1 << 20;
@@ -72,17 +71,16 @@ struct Args {
     cold: bool,
 }
 
-const USAGE: &str =
-    "usage: rdmad-bench [--provider loopback|verbs] [--device NAME] [--iterations N] [--no-cold]";
+const USAGE: &str = "usage: rdmad-bench [regions] [--provider loopback|verbs] [--device NAME] \
+                     [--iterations N] [--no-cold]";
 
-fn parse_args() -> Result<Args> {
+fn parse_args(mut it: impl Iterator<Item = String>) -> Result<Args> {
     let mut args = Args {
         provider: None,
         device: None,
         iterations: 200,
         cold: true,
     };
-    let mut it = std::env::args().skip(1);
     while let Some(arg) = it.next() {
         let mut value = |name: &str| {
             it.next()
@@ -207,24 +205,9 @@ struct Stats {
 fn stats(samples: &[Duration]) -> Stats {
     let mut sorted = samples.to_vec();
     sorted.sort_unstable();
-    let rank = |p: f64| {
-        let i = (p * sorted.len() as f64).ceil() as usize;
-        sorted[i.clamp(1, sorted.len()) - 1]
-    };
     Stats {
-        median: rank(0.5),
-        p90: rank(0.9),
-    }
-}
-
-fn us(d: Duration) -> String {
-    let us = d.as_secs_f64() * 1e6;
-    if us >= 1000.0 {
-        format!("{us:.0}")
-    } else if us >= 10.0 {
-        format!("{us:.1}")
-    } else {
-        format!("{us:.2}")
+        median: percentile(&sorted, 0.5),
+        p90: percentile(&sorted, 0.9),
     }
 }
 
@@ -343,35 +326,9 @@ fn raw_series(pd: &dyn ProtectionDomain, size: u64, n: u32) -> Result<Vec<Durati
     Ok(samples)
 }
 
-fn machine() -> String {
-    let cpus = std::thread::available_parallelism().map_or(0, |n| n.get());
-    let model = std::fs::read_to_string("/proc/cpuinfo")
-        .ok()
-        .and_then(|t| {
-            t.lines()
-                .find_map(|l| l.strip_prefix("model name"))
-                .map(|l| l.trim_start_matches([' ', '\t', ':']).to_owned())
-        })
-        .unwrap_or_else(|| "unknown CPU".into());
-    let kernel = std::fs::read_to_string("/proc/sys/kernel/osrelease")
-        .map_or_else(|_| "unknown".into(), |s| s.trim().to_owned());
-    let load = std::fs::read_to_string("/proc/loadavg").map_or_else(
-        |_| "unknown".into(),
-        |s| s.split_whitespace().take(3).collect::<Vec<_>>().join(" "),
-    );
-    format!("{cpus} CPUs ({model}), kernel {kernel}, load average {load}")
-}
-
-#[tokio::main(flavor = "current_thread")]
-async fn main() {
-    if let Err(e) = run().await {
-        eprintln!("rdmad-bench: {e}");
-        std::process::exit(1);
-    }
-}
-
-async fn run() -> Result<()> {
-    let args = parse_args()?;
+/// Runs the benchmark with the arguments after `regions`.
+pub async fn run(args: impl Iterator<Item = String>) -> Result<()> {
+    let args = parse_args(args)?;
     let provider = match args.provider {
         Some(p) => p,
         None => match verbs::open_devices() {

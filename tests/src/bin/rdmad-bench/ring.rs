@@ -1,0 +1,467 @@
+//! `rdmad-bench ring`: the proxied data path against the device itself.
+//!
+//! ```text
+//! rdmad-bench ring [--iterations N] [--wait spin|block|both]
+//! ```
+//!
+//! One client and the daemon's worker on `loopback0`: 64 B RDMA WRITEs from one QP into a
+//! region exported through its peer QP (both in one session), in batches of 1, 8 and 32,
+//! every request signalled. For each batch size, in one run:
+//!
+//! - **device**: the same requests posted by this process to its own instance of the
+//!   loopback provider (`post_send` of the whole batch, then `poll` until every completion
+//!   is there) — the no-proxy floor, what the same work costs without rdmad;
+//! - **rdmad, spin**: submitted to the QP's ring, completions taken by busy-polling the ring
+//!   (`QueuePairRing::wait` in its spinning mode);
+//! - **rdmad, block**: the same, waiting on the completion channel (`poll(2)`) as soon as no
+//!   completion is there.
+//!
+//! Each sample is one batch, from the first submission to the last completion. `--iterations`
+//! batches per cell (default 20,000), after 200 untimed ones.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use rdmad::memory::SharedMemory;
+use rdmad::provider::{
+    loopback, Access, CompletionQueue, Device, MemoryRegion, QpInit, QueuePair, RemoteEndpoint,
+    RtrAttributes, RtsAttributes, SendOp, SendWr, Sge, WcStatus, WorkCompletion,
+};
+use rdmad_client::names::object_id;
+use rdmad_client::proxy::{ManagerProxy, Options, QueuePairProxy, RegionProxy, SessionProxy};
+use rdmad_client::queue_pair::{QueuePairRing, Wait};
+use rdmad_client::ring::{Opcode, RegionSge, Status, Submission};
+use rdmad_tests::bus::PrivateBus;
+use rdmad_tests::daemon::{Daemon, DaemonOptions};
+use zbus::zvariant::Value;
+
+use crate::{machine, percentile, us, Result};
+
+const BATCHES: [u32; 3] = [1, 8, 32];
+const LEN: u32 = 64;
+const DEPTH: u32 = 64;
+const WARMUP: u32 = 200;
+/// How long the spinning client spins before it sleeps (far more than any sample here).
+const SPIN: Duration = Duration::from_millis(10);
+/// No completion within this is an error, not a slow sample.
+const TIMEOUT: Duration = Duration::from_secs(10);
+
+const USAGE: &str = "usage: rdmad-bench ring [--iterations N] [--wait spin|block|both]";
+
+const CONFIG: &str = "[daemon]\nlog_level = \"warn\"\n\n[[pool]]\nname = \"bench\"\n\
+                      capacity = \"1MiB\"\nsize_classes = [\"4KiB\"]\n\n\
+                      [quota.default]\nregistered_bytes = \"64KiB\"\n";
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Mode {
+    Spin,
+    Block,
+}
+
+struct Args {
+    iterations: u32,
+    modes: Vec<Mode>,
+}
+
+fn parse_args(mut it: impl Iterator<Item = String>) -> Result<Args> {
+    let mut args = Args {
+        iterations: 20_000,
+        modes: vec![Mode::Spin, Mode::Block],
+    };
+    while let Some(arg) = it.next() {
+        let mut value = |name: &str| {
+            it.next()
+                .ok_or_else(|| format!("{name} needs a value\n{USAGE}"))
+        };
+        match arg.as_str() {
+            "--iterations" => {
+                let n: u32 = value("--iterations")?
+                    .parse()
+                    .map_err(|e| format!("--iterations: {e}\n{USAGE}"))?;
+                if n == 0 {
+                    return Err(format!("--iterations must be at least 1\n{USAGE}").into());
+                }
+                args.iterations = n;
+            }
+            "--wait" => {
+                args.modes = match value("--wait")?.as_str() {
+                    "spin" => vec![Mode::Spin],
+                    "block" => vec![Mode::Block],
+                    "both" => vec![Mode::Spin, Mode::Block],
+                    other => return Err(format!("--wait: unknown mode {other:?}\n{USAGE}").into()),
+                }
+            }
+            "-h" | "--help" => {
+                println!("{USAGE}");
+                std::process::exit(0);
+            }
+            other => return Err(format!("unknown argument {other:?}\n{USAGE}").into()),
+        }
+    }
+    Ok(args)
+}
+
+/// One cell: the time of every batch, and of all of them together.
+struct Cell {
+    samples: Vec<Duration>,
+    total: Duration,
+    batch: u32,
+}
+
+impl Cell {
+    fn new(batch: u32, n: u32) -> Cell {
+        Cell {
+            samples: Vec::with_capacity(n as usize),
+            total: Duration::ZERO,
+            batch,
+        }
+    }
+
+    fn push(&mut self, sample: Duration) {
+        self.samples.push(sample);
+        self.total += sample;
+    }
+
+    fn sorted(&self) -> Vec<Duration> {
+        let mut s = self.samples.clone();
+        s.sort_unstable();
+        s
+    }
+
+    fn median(&self) -> Duration {
+        percentile(&self.sorted(), 0.5)
+    }
+
+    fn p99(&self) -> Duration {
+        percentile(&self.sorted(), 0.99)
+    }
+
+    /// Work requests per second, in millions.
+    fn mwrs(&self) -> f64 {
+        f64::from(self.batch) * self.samples.len() as f64 / self.total.as_secs_f64() / 1e6
+    }
+
+    fn latency(&self) -> String {
+        format!("{} ({})", us(self.median()), us(self.p99()))
+    }
+}
+
+/// The no-proxy floor: this process's own loopback device, two QPs connected to each other,
+/// a source MR and a destination MR the peer may write.
+struct Floor {
+    // Field order is drop order: QPs before CQs before MRs.
+    qp: Arc<dyn QueuePair>,
+    _peer: Arc<dyn QueuePair>,
+    cq: Arc<dyn CompletionQueue>,
+    _peer_cq: Arc<dyn CompletionQueue>,
+    src: Arc<dyn MemoryRegion>,
+    dst: Arc<dyn MemoryRegion>,
+}
+
+impl Floor {
+    fn new() -> Result<Floor> {
+        let device = loopback::LoopbackDevice::new(loopback::DEFAULT_NAME);
+        let pd = device.alloc_pd()?;
+        let memory =
+            |name| -> Result<Arc<SharedMemory>> { Ok(Arc::new(SharedMemory::create(name, 4096)?)) };
+        let src = pd.register(memory(c"rdmad-bench-src")?, Access::LOCAL_WRITE)?;
+        let dst = pd.register(
+            memory(c"rdmad-bench-dst")?,
+            Access::LOCAL_WRITE.union(Access::REMOTE_WRITE),
+        )?;
+        let (cq, peer_cq) = (pd.create_cq(DEPTH)?, pd.create_cq(DEPTH)?);
+        let qp_on = |cq: &Arc<dyn CompletionQueue>| {
+            pd.create_qp(QpInit {
+                send_cq: Arc::clone(cq),
+                recv_cq: Arc::clone(cq),
+                max_send_wr: DEPTH,
+                max_recv_wr: DEPTH,
+                max_send_sge: 1,
+                max_recv_sge: 1,
+                max_inline_data: 0,
+            })
+        };
+        let (qp, peer) = (qp_on(&cq)?, qp_on(&peer_cq)?);
+        let port = device.query_port(1)?;
+        let gid = device
+            .gid_table(1)?
+            .into_iter()
+            .find(|g| g.is_ipv4_mapped())
+            .ok_or("the loopback device has no IPv4-mapped GID")?;
+        for (me, other) in [(&qp, &peer), (&peer, &qp)] {
+            me.to_init(1, Access::LOCAL_WRITE.union(Access::REMOTE_WRITE))?;
+            let remote = RemoteEndpoint {
+                gid: gid.gid,
+                qp_num: other.qp_num(),
+                psn: 0,
+                lid: port.lid,
+            };
+            me.to_rtr(
+                &remote,
+                &RtrAttributes {
+                    port: 1,
+                    sgid_index: gid.index,
+                    path_mtu: port.active_mtu,
+                    max_dest_rd_atomic: 1,
+                    min_rnr_timer: 12,
+                },
+            )?;
+            me.to_rts(&RtsAttributes {
+                psn: 0,
+                timeout: 14,
+                retry_cnt: 7,
+                rnr_retry: 7,
+                max_rd_atomic: 1,
+            })?;
+        }
+        Ok(Floor {
+            qp,
+            _peer: peer,
+            cq,
+            _peer_cq: peer_cq,
+            src,
+            dst,
+        })
+    }
+
+    fn series(&self, batch: u32, n: u32) -> Result<Cell> {
+        let wrs: Vec<SendWr> = (0..batch)
+            .map(|k| SendWr {
+                wr_id: u64::from(k),
+                op: SendOp::Write {
+                    remote_addr: self.dst.addr(),
+                    rkey: self.dst.rkey(),
+                    imm: None,
+                },
+                sges: vec![Sge {
+                    addr: self.src.addr(),
+                    length: LEN,
+                    lkey: self.src.lkey(),
+                }],
+                signaled: true,
+            })
+            .collect();
+        let mut wcs: Vec<WorkCompletion> = Vec::with_capacity(DEPTH as usize);
+        let mut cell = Cell::new(batch, n);
+        for i in 0..WARMUP + n {
+            let start = Instant::now();
+            self.qp.post_send(&wrs).map_err(|e| e.error)?;
+            let mut got = 0;
+            while got < batch {
+                wcs.clear();
+                self.cq.poll(&mut wcs, DEPTH as usize)?;
+                if let Some(wc) = wcs.iter().find(|wc| wc.status != WcStatus::Success) {
+                    return Err(format!("device: write {}: {:?}", wc.wr_id, wc.status).into());
+                }
+                got += wcs.len() as u32;
+                if start.elapsed() > TIMEOUT {
+                    return Err(format!("device: no completion within {TIMEOUT:?}").into());
+                }
+            }
+            if i >= WARMUP {
+                cell.push(start.elapsed());
+            }
+        }
+        Ok(cell)
+    }
+}
+
+/// The proxied path: a session of rdmad on a private bus, two QPs connected to each other,
+/// the destination region exported through the peer QP.
+struct Proxied {
+    ring: QueuePairRing,
+    src: u64,
+    addr: u64,
+    rkey: u32,
+    // Held until the end: the daemon tears the session down when its connection goes.
+    _connection: zbus::Connection,
+}
+
+impl Proxied {
+    async fn new(connection: zbus::Connection) -> Result<Proxied> {
+        let manager = ManagerProxy::new(&connection).await?;
+        let session = SessionProxy::builder(&connection)
+            .path(manager.open_session(Options::new()).await?)?
+            .build()
+            .await?;
+        let (src_path, _src_fd, _) = session
+            .allocate_region("bench", 4096, Options::new())
+            .await?;
+        let (dst_path, _dst_fd, _) = session
+            .allocate_region("bench", 4096, Options::new())
+            .await?;
+        let mut rings = Vec::new();
+        let mut qps = Vec::new();
+        for _ in 0..2 {
+            let mut options = Options::new();
+            options.insert("send_depth", Value::from(DEPTH));
+            let (path, ring, doorbell, completions, info) = session
+                .create_queue_pair(loopback::DEFAULT_NAME, options)
+                .await?;
+            rings.push(QueuePairRing::new(
+                ring.into(),
+                doorbell.into(),
+                completions.into(),
+                info,
+            )?);
+            qps.push((
+                path.clone(),
+                QueuePairProxy::builder(&connection)
+                    .path(path)?
+                    .build()
+                    .await?,
+            ));
+        }
+        qps[0]
+            .1
+            .connect(&qps[1].1.endpoint().await?, Options::new())
+            .await?;
+        qps[1]
+            .1
+            .connect(&qps[0].1.endpoint().await?, Options::new())
+            .await?;
+        let mut options = Options::new();
+        options.insert("access", Value::from("w"));
+        let (addr, rkey, _, _) = RegionProxy::builder(&connection)
+            .path(dst_path)?
+            .build()
+            .await?
+            .export_remote(&qps[1].0.as_ref(), options)
+            .await?;
+        Ok(Proxied {
+            ring: rings.swap_remove(0),
+            src: object_id(src_path.as_str()).ok_or("the region's path has no id")?,
+            addr,
+            rkey,
+            _connection: connection,
+        })
+    }
+
+    fn series(&mut self, batch: u32, n: u32, mode: Mode) -> Result<Cell> {
+        let write = |wr_id| Submission {
+            remote_addr: self.addr,
+            rkey: self.rkey,
+            ..Submission::new(
+                Opcode::Write,
+                wr_id,
+                RegionSge {
+                    region: self.src,
+                    offset: 0,
+                    length: LEN,
+                },
+            )
+        };
+        let wait = match mode {
+            Mode::Spin => Wait::Spin(SPIN),
+            Mode::Block => Wait::Block,
+        };
+        let batch_of: Vec<Submission> = (0..batch).map(|k| write(u64::from(k))).collect();
+        let mut cell = Cell::new(batch, n);
+        for i in 0..WARMUP + n {
+            let start = Instant::now();
+            for s in &batch_of {
+                self.ring
+                    .submit(s)?
+                    .map_err(|_| "the submission ring is full")?;
+            }
+            for _ in 0..batch {
+                let c = self
+                    .ring
+                    .wait_with(wait, TIMEOUT)?
+                    .ok_or_else(|| format!("rdmad: no completion within {TIMEOUT:?}"))?;
+                if c.status != Status::Success {
+                    return Err(format!("rdmad: write {}: {:?}", c.wr_id, c.status).into());
+                }
+            }
+            if i >= WARMUP {
+                cell.push(start.elapsed());
+            }
+        }
+        Ok(cell)
+    }
+}
+
+/// Runs the benchmark with the arguments after `ring`.
+pub async fn run(args: impl Iterator<Item = String>) -> Result<()> {
+    let args = parse_args(args)?;
+    let command = std::env::args().collect::<Vec<_>>().join(" ");
+    println!("# rdmad-bench ring");
+    println!(
+        "{LEN} B RDMA WRITEs on loopback0, every one signalled; {} batches per cell after \
+         {WARMUP} untimed",
+        args.iterations
+    );
+    println!("command: {command}");
+    println!("machine: {}", machine());
+
+    let bus = PrivateBus::start();
+    let daemon = Daemon::start(
+        &bus,
+        DaemonOptions {
+            provider: "loopback",
+            config: CONFIG.into(),
+            ..DaemonOptions::default()
+        },
+    )
+    .await;
+    let mut proxied = Proxied::new(bus.connect().await).await?;
+    let floor = Floor::new()?;
+
+    struct Row {
+        batch: u32,
+        floor: Cell,
+        rdmad: Vec<(Mode, Cell)>,
+    }
+    let mut rows = Vec::new();
+    for batch in BATCHES {
+        let floor = floor.series(batch, args.iterations)?;
+        let mut rdmad = Vec::new();
+        for &mode in &args.modes {
+            rdmad.push((mode, proxied.series(batch, args.iterations, mode)?));
+        }
+        rows.push(Row {
+            batch,
+            floor,
+            rdmad,
+        });
+    }
+    drop(proxied);
+    drop(daemon);
+
+    println!();
+    println!("Latency: first submission to last completion of a batch, µs, median (p99).");
+    println!("WR/s: work requests per second over all the cell's batches, millions.");
+    println!("added: rdmad's median minus the device's.");
+    println!();
+    let mut head = String::from("| batch | device | device M WR/s |");
+    let mut rule = String::from("|---:|---:|---:|");
+    for mode in &args.modes {
+        let name = match mode {
+            Mode::Spin => "rdmad spin",
+            Mode::Block => "rdmad block",
+        };
+        head.push_str(&format!(" {name} | M WR/s | added |"));
+        rule.push_str("---:|---:|---:|");
+    }
+    println!("{head}");
+    println!("{rule}");
+    for row in &rows {
+        let mut line = format!(
+            "| {} | {} | {:.2} |",
+            row.batch,
+            row.floor.latency(),
+            row.floor.mwrs()
+        );
+        for (_, cell) in &row.rdmad {
+            let added = cell.median().as_secs_f64() - row.floor.median().as_secs_f64();
+            line.push_str(&format!(
+                " {} | {:.2} | {:.2} |",
+                cell.latency(),
+                cell.mwrs(),
+                added * 1e6
+            ));
+        }
+        println!("{line}");
+    }
+    Ok(())
+}
