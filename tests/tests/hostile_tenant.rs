@@ -38,6 +38,10 @@ mod bodies {
     use rdmad_tests::{kernel_verbs_objects, NOBODY};
     use serde_json::Value;
 
+    /// One data-path worker serves attacker and victim alike, so the victim shares what
+    /// every attack hits (with several, they might land on different workers).
+    const ONE_WORKER: &str = "[daemon]\nworkers = 1\n\n";
+
     /// The victim's user.
     const VICTIM: u32 = 1;
 
@@ -132,7 +136,7 @@ mod bodies {
     pub async fn descriptor_and_memfd_attacks_never_stall_a_neighbour(provider: &str) {
         let _alone = rdmad_tests::ALONE.lock().await;
         let kernel_before = kernel_verbs_objects(provider);
-        let (bus, daemon) = start_on(provider, "").await;
+        let (bus, daemon) = start_on(provider, ONE_WORKER).await;
         let mut victim = with_connected_qps(&bus, VICTIM, "default", 4096);
         let idle = round_trips(&mut victim);
 
@@ -206,7 +210,7 @@ mod bodies {
         let cycles = if provider == "verbs" { 16 } else { 50 };
         const SIZE: u64 = 64 << 20;
         let kernel_before = kernel_verbs_objects(provider);
-        let (bus, daemon) = start_on(provider, "").await;
+        let (bus, daemon) = start_on(provider, ONE_WORKER).await;
         let mut victim = Client::start(&bus, Some(VICTIM));
         victim.ok("open");
         let mut attacker = Client::start(&bus, Some(NOBODY));
@@ -273,7 +277,7 @@ mod bodies {
         let _alone = rdmad_tests::ALONE.lock().await;
         const SIZE: u64 = 64 << 20;
         const WRITES: u64 = 128;
-        let (bus, daemon) = start_on("loopback", "").await;
+        let (bus, daemon) = start_on("loopback", ONE_WORKER).await;
         let mut victim = with_connected_qps(&bus, VICTIM, "default", 4096);
         // The best p99 (and its round's median) of three rounds of round trips.
         let best_of_three = |victim: &mut Client| {
@@ -406,7 +410,7 @@ mod bodies {
         let _alone = rdmad_tests::ALONE.lock().await;
         let pages = Hugepages::reserve(4);
         let config = "[[pool]]\nname = \"huge\"\ncapacity = \"4MiB\"\nsize_classes = [\"2MiB\"]\nhugepages = true\n";
-        let (bus, daemon) = start_on("loopback", config).await;
+        let (bus, daemon) = start_on("loopback", &format!("{ONE_WORKER}{config}")).await;
         // The victim's own memory comes from the same hugepage pool.
         let mut victim = with_connected_qps(&bus, VICTIM, "huge", 2 << 20);
         let idle = round_trips(&mut victim);

@@ -52,10 +52,27 @@ pub struct DaemonConfig {
     /// sleeps on its eventfds (lower: less CPU; higher: lower latency under light load).
     #[serde(default = "default_spin_us")]
     pub worker_spin_us: u32,
+    /// Data-path worker threads; queue pairs are spread over them (each new one goes to
+    /// the worker serving the fewest). 0, the default: one per CPU rdmad may run on.
+    #[serde(default)]
+    pub workers: u32,
 }
 
 fn default_spin_us() -> u32 {
     200
+}
+
+/// The most data-path workers a configuration may ask for.
+pub const MAX_WORKERS: u32 = 256;
+
+impl DaemonConfig {
+    /// How many data-path workers to run: `workers`, or one per CPU rdmad may run on.
+    pub fn worker_count(&self) -> usize {
+        match self.workers {
+            0 => std::thread::available_parallelism().map_or(1, std::num::NonZeroUsize::get),
+            n => n as usize,
+        }
+    }
 }
 
 impl Default for DaemonConfig {
@@ -66,6 +83,7 @@ impl Default for DaemonConfig {
             admin_group: None,
             log_level: LogLevel::default(),
             worker_spin_us: default_spin_us(),
+            workers: 0,
         }
     }
 }
@@ -320,6 +338,16 @@ impl Config {
                 format!(
                     "{} µs is more than a second of busy polling; use at most 1000000",
                     self.daemon.worker_spin_us
+                ),
+            ));
+        }
+        if self.daemon.workers > MAX_WORKERS {
+            return Err((
+                "daemon.workers".into(),
+                format!(
+                    "{} data-path workers is more than {MAX_WORKERS}; use 0 (one per CPU) or \
+                     at most {MAX_WORKERS}",
+                    self.daemon.workers
                 ),
             ));
         }
@@ -650,6 +678,7 @@ mod tests {
             ("[[device]]\nname = \"a\"\n[[pool]]\nname = \"p\"\ndevice = \"b\"\ncapacity = 4096\nsize_classes = [4096]\n", 5, "pool[0].device", "not one of the [[device]]"),
             ("[quota.default]\nregions = -1\n", 2, "quota.default.regions", "invalid value"),
             ("[daemon]\nworker_spin_us = 5000000\n", 2, "daemon.worker_spin_us", "busy polling"),
+            ("[daemon]\nworkers = 1000\n", 2, "daemon.workers", "one per CPU"),
             ("[quota.default]\nregions = 100000000000\n", 2, "quota.default.regions", "absurd"),
             ("[quota.default]\nregion = 10\n", 2, "quota.default.region", "unknown field"),
             ("[quota.user.nobody]\nexports = 100000000000\n", 2, "quota.user.nobody.exports", "absurd"),

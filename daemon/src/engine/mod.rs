@@ -60,7 +60,8 @@ pub struct Engine {
     /// Sessions, regions, keys and queue pairs.
     registry: Registry,
     /// One data-path worker per device, by device name.
-    workers: std::collections::HashMap<String, Arc<datapath::worker::Worker>>,
+    /// The data-path workers; each QP is served by one (`QueuePairRecord::worker`).
+    workers: Vec<datapath::worker::Worker>,
     pools: Vec<Arc<Pool>>,
     refill: Arc<pool::Refill>,
     refill_thread: std::sync::Mutex<Option<std::thread::JoinHandle<()>>>,
@@ -101,15 +102,11 @@ impl Engine {
             .map_err(|e| EngineError::os("cannot start the refill thread", e))?;
         refill.poke();
         let registry = Registry::default();
-        let mut workers = std::collections::HashMap::new();
-        for entry in &devices {
-            let worker = datapath::worker::Worker::spawn(
-                entry.device.name(),
-                std::time::Duration::from_micros(u64::from(config.daemon.worker_spin_us)),
-            )
+        let spin = std::time::Duration::from_micros(u64::from(config.daemon.worker_spin_us));
+        let workers = (0..config.daemon.worker_count())
+            .map(|i| datapath::worker::Worker::spawn(i, spin))
+            .collect::<Result<Vec<_>, _>>()
             .map_err(|e| EngineError::os("cannot start a data-path worker", e))?;
-            workers.insert(entry.device.name().to_owned(), Arc::new(worker));
-        }
         let engine = Engine {
             registry,
             workers,
@@ -264,7 +261,7 @@ impl Engine {
         } = teardown;
         drop(windows);
         if !removed.qps.is_empty() {
-            for worker in self.workers.values() {
+            for worker in &self.workers {
                 worker.remove(&removed.qps);
             }
         }

@@ -133,6 +133,8 @@ pub struct QueuePairRecord {
     pub max_message: u64,
     pub remote: Mutex<Option<RemoteEndpoint>>,
     pub counters: QpCounters,
+    /// The data-path worker serving the QP (an index into the engine's), once it is.
+    pub worker: std::sync::OnceLock<usize>,
 }
 
 /// The GID QPs of this device use: the pinned index, else the RoCE v2 IPv4-mapped GID,
@@ -232,6 +234,7 @@ pub fn create(
         max_message: port.max_msg_sz,
         remote: Mutex::new(None),
         counters: QpCounters::default(),
+        worker: std::sync::OnceLock::new(),
     })
 }
 

@@ -61,6 +61,11 @@ pub struct QpHandout {
 }
 
 impl Engine {
+    /// The data-path worker serving `q`.
+    fn worker_of(&self, q: &QueuePairRecord) -> Option<&datapath::worker::Worker> {
+        q.worker.get().and_then(|&i| self.workers.get(i))
+    }
+
     /// Creates a queue pair for `session` (`owner`'s) on `device`, within `limits`, and
     /// starts serving its rings.
     pub fn create_qp(
@@ -75,7 +80,14 @@ impl Engine {
         let (id, record) = self
             .registry
             .create_qp(owner, limits, session, entry, options)?;
-        if let Some(worker) = self.workers.get(device) {
+        // The worker serving the fewest QPs takes it.
+        if let Some((index, worker)) = self
+            .workers
+            .iter()
+            .enumerate()
+            .min_by_key(|(_, w)| w.load())
+        {
+            let _ = record.worker.set(index);
             worker.add(id, Arc::clone(&record));
             // The session may have been closed since the registry took the QP, and the
             // worker told to let go of it before it had it: look again now that it has it.
@@ -226,8 +238,8 @@ impl Engine {
         use crate::provider::{MwType, SendOp};
         let entry = self.device(&q.device)?;
         let window = entry.pd.alloc_mw(MwType::Type2)?;
-        let worker = self.workers.get(&q.device).ok_or_else(|| {
-            EngineError::DeviceUnusable(format!("no data-path worker for {}", q.device))
+        let worker = self.worker_of(q).ok_or_else(|| {
+            EngineError::DeviceUnusable(format!("no data-path worker serves queue pair {qp_id}"))
         })?;
         worker
             .run(
@@ -265,8 +277,8 @@ impl Engine {
         export: ExportId,
     ) -> Result<(), EngineError> {
         let (qp_id, taken) = self.registry.remove_export(owner, region, export)?;
-        let device = self.registry.own_qp(owner, qp_id).map(|q| q.device.clone());
-        if let Some(worker) = device.ok().and_then(|d| self.workers.get(&d)) {
+        let record = self.registry.own_qp(owner, qp_id);
+        if let Some(worker) = record.ok().and_then(|q| self.worker_of(&q)) {
             let rkey = taken.window.rkey();
             if let Err(e) = worker.run(qp_id, crate::provider::SendOp::LocalInvalidate { rkey }) {
                 // Dropping the window below invalidates it as well. A QP destroyed since it

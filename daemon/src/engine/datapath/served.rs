@@ -47,6 +47,8 @@ pub(super) struct ServedQp {
     waiting: bool,
     /// Reused for every pass, so that a steady stream of requests allocates no batches.
     scratch: Scratch,
+    /// When the worker last found work for this QP.
+    pub(super) last_active: std::time::Instant,
 }
 
 /// What one pass over a QP builds, kept between passes.
@@ -73,6 +75,7 @@ impl ServedQp {
             backlog: VecDeque::new(),
             waiting: false,
             scratch: Scratch::default(),
+            last_active: std::time::Instant::now(),
         }
     }
 
@@ -81,6 +84,39 @@ impl ServedQp {
     /// make the daemon hold more than a ring's worth (plus one batch) for it.
     pub(super) fn can_consume(&self) -> bool {
         self.backlog.len() < self.record.layout.cq_entries as usize
+    }
+
+    /// Whether the device owes this QP completions: only then is its CQ polled, so that a
+    /// worker's pass over idle QPs costs a load of each submission tail and nothing more.
+    fn expects_completions(&self) -> bool {
+        self.sends + self.recvs > 0
+    }
+
+    /// Whether the worker may look at this QP only now and then: nothing of its own in
+    /// flight but receives, no completions waiting for ring space.
+    pub(super) fn may_rest(&self) -> bool {
+        self.sends == 0 && self.backlog.is_empty() && self.internal.is_empty()
+    }
+
+    /// Everything the worker does for this QP in one look: takes submissions, polls the CQ
+    /// if the device owes completions, delivers; returns whether anything moved.
+    pub(super) fn serve(&mut self) -> bool {
+        let mut busy = false;
+        let sq_tail = self
+            .record
+            .ring
+            .load_u32(header::SQ_TAIL)
+            .unwrap_or(self.sq_head);
+        if sq_tail != self.sq_head && self.can_consume() {
+            let rights = self.record.rights.load();
+            busy |= self.consume(&rights);
+        }
+        if self.expects_completions() {
+            busy |= self.reap();
+            // A software device moves large requests a turn per poll: keep polling.
+            busy |= self.record.cq.needs_polling();
+        }
+        busy | self.deliver()
     }
 
     /// Whether there is work the worker can do now, without waiting for the client.
@@ -126,7 +162,7 @@ impl ServedQp {
     }
 
     /// Consumes what the client submitted; returns whether there was anything.
-    pub(super) fn consume(&mut self, rights: &RegionRights) -> bool {
+    fn consume(&mut self, rights: &RegionRights) -> bool {
         if !self.can_consume() {
             return false;
         }
@@ -257,7 +293,7 @@ impl ServedQp {
     }
 
     /// Takes completions from the CQ; returns whether there were any.
-    pub(super) fn reap(&mut self) -> bool {
+    fn reap(&mut self) -> bool {
         let mut wcs = std::mem::take(&mut self.scratch.wcs);
         wcs.clear();
         if let Err(e) = self.record.cq.poll(&mut wcs, 64) {
@@ -312,7 +348,7 @@ impl ServedQp {
 
     /// Writes waiting completions into the ring as far as it has room; returns whether it
     /// delivered any.
-    pub(super) fn deliver(&mut self) -> bool {
+    fn deliver(&mut self) -> bool {
         if self.backlog.is_empty() {
             return false;
         }

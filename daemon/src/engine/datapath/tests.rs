@@ -170,3 +170,87 @@ fn worker_errors_keep_their_messages() {
         assert_eq!(error.to_string(), message);
     }
 }
+
+/// An engine with `workers` data-path workers that never sleep during a test (so a QP's
+/// requests are found by the worker's passes, not by a doorbell), a session of uid 1000 and
+/// `n` queue pairs in it.
+fn engine_with_qps(workers: u32, n: usize) -> (Engine, Vec<Arc<QueuePairRecord>>) {
+    let text = format!("[daemon]\nworkers = {workers}\nworker_spin_us = 1000000\n");
+    let config = Config::parse(std::path::Path::new("t.toml"), &text).unwrap();
+    let engine = Engine::start(
+        config,
+        PathBuf::from("/dev/null"),
+        Some(ProviderChoice::Loopback),
+    )
+    .unwrap();
+    let alice = Owner {
+        uid: 1000,
+        connection: ":1.1".into(),
+        pid: None,
+    };
+    let limits = Limits::unlimited(1000);
+    let s = engine.open_session(&alice, &limits).unwrap();
+    let qps = (0..n)
+        .map(|_| {
+            let id = engine
+                .create_qp(&alice, &limits, s, "loopback0", QpOptions::default())
+                .unwrap()
+                .id;
+            engine.registry.own_qp(&alice, id).unwrap()
+        })
+        .collect();
+    (engine, qps)
+}
+
+/// A request the worker refuses (it names no region): its completion proves the QP served.
+fn answered(ring: &mut QueuePairRing, wr_id: u64) {
+    let sub = Submission::new(
+        Opcode::Send,
+        wr_id,
+        RegionSge {
+            region: 77,
+            offset: 0,
+            length: 8,
+        },
+    );
+    ring.submit(&sub).unwrap().unwrap();
+    let c = ring.wait(Duration::from_secs(10)).unwrap();
+    assert_eq!(
+        c.map(|c| (c.wr_id, c.status)),
+        Some((wr_id, Status::RegionAccessDenied))
+    );
+}
+
+/// New queue pairs go to the worker serving the fewest, and each is served there.
+#[test]
+fn queue_pairs_are_spread_over_the_workers() {
+    let (_engine, qps) = engine_with_qps(3, 7);
+    let mut per_worker = [0; 3];
+    for q in &qps {
+        per_worker[*q.worker.get().expect("a worker serves it")] += 1;
+    }
+    assert_eq!(per_worker, [3, 2, 2]);
+    for (i, q) in qps.iter().enumerate() {
+        answered(&mut ring_of(q), i as u64);
+    }
+}
+
+/// A queue pair idle long enough to rest (looked at only a few per pass) among hundreds of
+/// others is still served without a doorbell, every time it wakes up.
+#[test]
+fn a_resting_queue_pair_is_still_served() {
+    let (_engine, qps) = engine_with_qps(1, 300);
+    let mut ring = ring_of(&qps[0]);
+    // The worker does not sleep (a 1 s spin), so no doorbell is rung: the client sees
+    // SQ_NEED_WAKEUP clear.
+    for round in 0..20 {
+        answered(&mut ring, round);
+        // Long enough for every QP to rest (1 ms without work).
+        std::thread::sleep(Duration::from_millis(5));
+        assert_eq!(
+            qps[0].ring.load_u32(header::SQ_FLAGS).unwrap() & ring::SQ_NEED_WAKEUP,
+            0,
+            "the worker slept"
+        );
+    }
+}

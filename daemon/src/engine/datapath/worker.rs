@@ -11,7 +11,6 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use nix::sys::epoll::{Epoll, EpollCreateFlags, EpollEvent, EpollFlags, EpollTimeout};
-use rdmad_client::ring::header;
 
 use super::served::ServedQp;
 use crate::engine::qp::{QpId, QueuePairRecord};
@@ -135,8 +134,8 @@ fn drain(fd: BorrowedFd<'_>) {
 }
 
 impl Worker {
-    /// Starts the worker of `device`.
-    pub fn spawn(device: &str, spin: Duration) -> std::io::Result<Worker> {
+    /// Starts worker number `index`.
+    pub fn spawn(index: usize, spin: Duration) -> std::io::Result<Worker> {
         let qps = Arc::new(WorkerQps::default());
         let commands: Arc<Commands> = Arc::default();
         let wake = eventfd()?;
@@ -146,7 +145,7 @@ impl Worker {
                 (Arc::clone(&qps), Arc::clone(&stop), Arc::clone(&commands));
             let wake = wake.try_clone()?;
             std::thread::Builder::new()
-                .name(format!("rdmad-dp-{device}"))
+                .name(format!("rdmad-dp-{index}"))
                 .spawn(move || run(&qps, &commands, &wake, &stop, spin))?
         };
         Ok(Worker {
@@ -169,6 +168,11 @@ impl Worker {
             Err(std::sync::mpsc::RecvTimeoutError::Timeout) => Err(WorkerError::TimedOut),
             Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => Err(WorkerError::Stopped),
         }
+    }
+
+    /// How many QPs the worker serves.
+    pub fn load(&self) -> usize {
+        lock(&self.qps.qps).len()
     }
 
     /// Starts serving a QP's rings.
@@ -208,23 +212,95 @@ impl Drop for Worker {
     }
 }
 
+/// How long a QP has had no work before the worker looks at it only now and then.
+const REST_AFTER: Duration = Duration::from_millis(1);
+/// Resting QPs looked at per pass, in turn: with R of them, each is looked at every
+/// R / `REST_LOOKS` passes, and a pass over the busy ones costs at most this many more.
+const REST_LOOKS: usize = 16;
+
+/// The QPs a worker serves, split by how often it looks at them: busy ones every pass,
+/// resting ones (no work for [`REST_AFTER`]) a few per pass, so that a thousand idle QPs
+/// cost an active one a few loads per pass rather than a thousand.
+#[derive(Default)]
+struct Served {
+    busy: Vec<ServedQp>,
+    resting: Vec<ServedQp>,
+    cursor: usize,
+}
+
+impl Served {
+    fn all(&self) -> impl Iterator<Item = &ServedQp> {
+        self.busy.iter().chain(&self.resting)
+    }
+
+    fn all_mut(&mut self) -> impl Iterator<Item = &mut ServedQp> {
+        self.busy.iter_mut().chain(&mut self.resting)
+    }
+
+    /// Serves exactly the QPs of `current`: drops the others, adds the new ones as busy.
+    fn apply(&mut self, current: &[(QpId, Arc<QueuePairRecord>)]) {
+        let wanted: std::collections::HashSet<QpId> = current.iter().map(|(id, _)| *id).collect();
+        self.busy.retain(|q| wanted.contains(&q.id));
+        self.resting.retain(|q| wanted.contains(&q.id));
+        let have: std::collections::HashSet<QpId> = self.all().map(|q| q.id).collect();
+        for (id, record) in current {
+            if !have.contains(id) {
+                self.busy.push(ServedQp::new(*id, Arc::clone(record)));
+            }
+        }
+    }
+
+    /// One pass: every busy QP, and [`REST_LOOKS`] resting ones (all of them if `full`).
+    /// Returns whether anything moved.
+    fn pass(&mut self, now: Instant, full: bool) -> bool {
+        let mut moved = false;
+        let mut i = 0;
+        while i < self.busy.len() {
+            let q = &mut self.busy[i];
+            if q.serve() {
+                q.last_active = now;
+                moved = true;
+            } else if q.may_rest() && now.duration_since(q.last_active) >= REST_AFTER {
+                let q = self.busy.swap_remove(i);
+                self.resting.push(q);
+                continue;
+            }
+            i += 1;
+        }
+        let looks = if full {
+            self.resting.len()
+        } else {
+            REST_LOOKS.min(self.resting.len())
+        };
+        for _ in 0..looks {
+            if self.cursor >= self.resting.len() {
+                self.cursor = 0;
+            }
+            if self.resting[self.cursor].serve() {
+                let mut q = self.resting.swap_remove(self.cursor);
+                q.last_active = now;
+                self.busy.push(q);
+                moved = true;
+            } else {
+                self.cursor += 1;
+            }
+        }
+        moved
+    }
+}
+
 fn run(shared: &WorkerQps, commands: &Commands, wake: &OwnedFd, stop: &AtomicBool, spin: Duration) {
-    let mut qps: Vec<ServedQp> = Vec::new();
+    let mut served = Served::default();
     let mut last_work = Instant::now();
     let mut seen = 0;
+    let mut full = false;
     while !stop.load(Ordering::Acquire) {
         // Commands are taken before the QP changes are looked at: a command for a QP just
         // added (`add`, then `run`) then always finds it served.
         let pending = commands.take();
         let wanted = shared.wanted.load(Ordering::Acquire);
-        if wanted != seen && !handback_held(&qps, shared) {
-            let current = lock(&shared.qps).clone();
-            qps.retain(|q| current.iter().any(|(id, _)| *id == q.id));
-            for (id, record) in current {
-                if !qps.iter().any(|q| q.id == id) {
-                    qps.push(ServedQp::new(id, record));
-                }
-            }
+        if wanted != seen && !handback_held(&served, shared) {
+            served.apply(&lock(&shared.qps).clone());
             seen = wanted;
             *lock(&shared.applied) = wanted;
             shared.applied_cv.notify_all();
@@ -232,55 +308,49 @@ fn run(shared: &WorkerQps, commands: &Commands, wake: &OwnedFd, stop: &AtomicBoo
         let mut busy = false;
         for command in pending {
             busy = true;
-            match qps.iter_mut().find(|q| q.id == command.qp) {
+            match served.all_mut().find(|q| q.id == command.qp) {
                 Some(q) => q.run_command(command.op, command.reply),
                 None => {
                     let _ = command.reply.send(Err(WorkerError::NotServed(command.qp)));
                 }
             }
         }
-        for q in &mut qps {
-            let sq_tail = q.record.ring.load_u32(header::SQ_TAIL).unwrap_or(q.sq_head);
-            if sq_tail != q.sq_head && q.can_consume() {
-                let rights = q.record.rights.load();
-                busy |= q.consume(&rights);
-            }
-            busy |= q.reap();
-            // A software device moves large requests a turn per poll: keep polling.
-            busy |= q.record.cq.needs_polling();
-            busy |= q.deliver();
-        }
+        let now = Instant::now();
+        busy |= served.pass(now, std::mem::take(&mut full));
         if busy {
-            last_work = Instant::now();
+            last_work = now;
             continue;
         }
-        if last_work.elapsed() < spin {
+        if now.duration_since(last_work) < spin {
             std::hint::spin_loop();
             continue;
         }
-        sleep(&mut qps, wake);
+        sleep(&mut served, wake);
+        // Whatever woke the worker may be a resting QP's: look at all of them once.
+        full = true;
         last_work = Instant::now();
     }
 }
 
 /// Whether a test holds back the hand-back of QPs this change lets go of (debug builds
 /// only, see `test_hooks`): the worker then goes on serving what it has.
-fn handback_held(qps: &[ServedQp], shared: &WorkerQps) -> bool {
+fn handback_held(served: &Served, shared: &WorkerQps) -> bool {
     crate::test_hooks::hold_handback(|| {
         let current = lock(&shared.qps);
-        qps.iter()
+        served
+            .all()
             .any(|q| current.iter().all(|(id, _)| *id != q.id))
     })
 }
 
 /// Arms everything and sleeps until a doorbell, a completion or a wake-up.
-fn sleep(qps: &mut [ServedQp], wake: &OwnedFd) {
+fn sleep(served: &mut Served, wake: &OwnedFd) {
     let Ok(epoll) = Epoll::new(EpollCreateFlags::EPOLL_CLOEXEC) else {
         std::thread::sleep(Duration::from_millis(1));
         return;
     };
     let _ = epoll.add(wake.as_fd(), EpollEvent::new(EpollFlags::EPOLLIN, 0));
-    for q in qps.iter_mut() {
+    for q in served.all_mut() {
         q.store_flags(true);
         let _ = q.record.cq.arm();
         let _ = epoll.add(
@@ -297,13 +367,13 @@ fn sleep(qps: &mut [ServedQp], wake: &OwnedFd) {
     // other. Completions held back for a full ring are not work until the client makes
     // room (and rings the doorbell, as CQ_WAITING asks): the worker does not spin on them.
     std::sync::atomic::fence(Ordering::SeqCst);
-    let pending = qps.iter().any(ServedQp::ready);
+    let pending = served.all().any(ServedQp::ready);
     if !pending {
         let mut events = [EpollEvent::empty(); 16];
         let _ = epoll.wait(&mut events, EpollTimeout::from(100u16));
     }
     drain(wake.as_fd());
-    for q in qps.iter_mut() {
+    for q in served.all_mut() {
         q.store_flags(false);
         q.record.doorbell.drain();
         let _ = q.record.cq.acknowledge_events();

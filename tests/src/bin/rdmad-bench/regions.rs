@@ -26,7 +26,7 @@ use std::time::{Duration, Instant};
 use rdmad::engine::REGION_ACCESS;
 use rdmad::memory::SharedMemory;
 use rdmad::provider::{loopback, verbs, Device, ProtectionDomain};
-use rdmad_client::names::pool_path;
+use rdmad_client::names::{pool_path, BUS_NAME, MANAGER_PATH};
 use rdmad_client::proxy::{ManagerProxy, Options, PoolProxy, RegionProxy, SessionProxy};
 use rdmad_tests::bus::PrivateBus;
 use rdmad_tests::daemon::{Daemon, DaemonOptions};
@@ -239,6 +239,26 @@ struct Series {
     settled_free: Vec<Duration>,
     cold: Vec<Duration>,
     raw: Vec<Duration>,
+    /// `GetId` and `Peer.Ping` once each per warm iteration, right before it.
+    get_id: Vec<Duration>,
+    ping: Vec<Duration>,
+}
+
+struct Floors<'a> {
+    bus: zbus::fdo::DBusProxy<'a>,
+    rdmad: zbus::fdo::PeerProxy<'a>,
+}
+
+impl Floors<'_> {
+    /// One call of each: how long `GetId` and `Ping` took.
+    async fn sample(&self) -> Result<(Duration, Duration)> {
+        let start = Instant::now();
+        self.bus.get_id().await?;
+        let get_id = start.elapsed();
+        let start = Instant::now();
+        self.rdmad.ping().await?;
+        Ok((get_id, start.elapsed()))
+    }
 }
 
 struct Bench<'a> {
@@ -391,6 +411,14 @@ pub async fn run(args: impl Iterator<Item = String>) -> Result<()> {
         filled.as_secs_f64()
     );
 
+    // The floors of a call: a bare method call answered by the bus daemon itself, and
+    // one answered by rdmad's connection without any work (Peer.Ping: to rdmad and back
+    // through the bus, two hops each way, as every rdmad call).
+    let floors = Floors {
+        bus: zbus::fdo::DBusProxy::new(&connection).await?,
+        rdmad: zbus::fdo::PeerProxy::new(&connection, BUS_NAME, MANAGER_PATH).await?,
+    };
+
     let mut results = Vec::new();
     for size in SIZES {
         let n = iterations_for(size, args.iterations);
@@ -404,10 +432,13 @@ pub async fn run(args: impl Iterator<Item = String>) -> Result<()> {
             settled_free: Vec::new(),
             cold: Vec::new(),
             raw: Vec::new(),
+            get_id: Vec::new(),
+            ping: Vec::new(),
         };
         let started = Instant::now();
         for i in 0..WARMUP + n {
             bench.wait_full().await?;
+            let (get_id, ping) = floors.sample().await?;
             let (alloc, free) = bench.alloc_free(WARM_POOL, size).await?;
             let wait = bench.wait_full().await?;
             if i >= WARMUP {
@@ -415,6 +446,8 @@ pub async fn run(args: impl Iterator<Item = String>) -> Result<()> {
                 series.warm_alloc.push(alloc);
                 series.warm_free.push(free);
                 series.refill_wait.push(wait);
+                series.get_id.push(get_id);
+                series.ping.push(ping);
             }
         }
         // The same, but Free only once the replacement region is made: what Free costs
@@ -484,17 +517,33 @@ pub async fn run(args: impl Iterator<Item = String>) -> Result<()> {
     println!("warm set was full again (polled every {POLL:?}, each poll a Get). settled: a");
     println!("separate series that waits for the refill between AllocateRegion and Free:");
     println!();
-    println!("| size | AllocateRegion | Free + close | refill wait | Free + close, settled |");
-    println!("|---|---:|---:|---:|---:|");
+    println!(
+        "| size | GetId | Peer.Ping | AllocateRegion | ÷ GetId | ÷ Ping | Free + close | ÷ GetId \
+         | refill wait | Free + close, settled |"
+    );
+    println!("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
     for s in &results {
+        let (alloc, free) = (stats(&s.warm_alloc), stats(&s.warm_free));
+        let (get_id, ping) = (stats(&s.get_id), stats(&s.ping));
+        let per =
+            |x: Stats, floor: Stats| ratio(x.median.as_secs_f64() / floor.median.as_secs_f64());
         println!(
-            "| {} | {} | {} | {} | {} |",
+            "| {} | {} | {} | {} | {} | {} | {} | {} | {} | {} |",
             size_name(s.size),
-            cell(stats(&s.warm_alloc)),
-            cell(stats(&s.warm_free)),
+            cell(get_id),
+            cell(ping),
+            cell(alloc),
+            per(alloc, get_id),
+            per(alloc, ping),
+            cell(free),
+            per(free, get_id),
             cell(stats(&s.refill_wait)),
             cell(stats(&s.settled_free))
         );
     }
+    println!();
+    println!("GetId: org.freedesktop.DBus.GetId, answered by the bus daemon; Peer.Ping: answered");
+    println!("by rdmad's connection with no work. Both on the benchmark's connection, once each");
+    println!("right before every warm iteration; ÷ columns are ratios of the medians.");
     Ok(())
 }

@@ -1,7 +1,7 @@
 //! `rdmad-bench ring`: the proxied data path against the device itself.
 //!
 //! ```text
-//! rdmad-bench ring [--iterations N] [--wait spin|block|both]
+//! rdmad-bench ring [--iterations N] [--wait spin|block|both] [--idle-qps N]
 //! ```
 //!
 //! One client and the daemon's worker on `loopback0`: 64 B RDMA WRITEs from one QP into a
@@ -18,6 +18,10 @@
 //!
 //! Each sample is one batch, from the first submission to the last completion. `--iterations`
 //! batches per cell (default 20,000), after 200 untimed ones.
+//!
+//! Then the session creates `--idle-qps` more QPs (default 1,000; 0 skips this) on the same
+//! worker (the daemon runs one), never used, and the batch-1 cells run again: what idle
+//! QPs cost an active one.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -46,11 +50,14 @@ const SPIN: Duration = Duration::from_millis(10);
 /// No completion within this is an error, not a slow sample.
 const TIMEOUT: Duration = Duration::from_secs(10);
 
-const USAGE: &str = "usage: rdmad-bench ring [--iterations N] [--wait spin|block|both]";
+const USAGE: &str =
+    "usage: rdmad-bench ring [--iterations N] [--wait spin|block|both] [--idle-qps N]";
 
-const CONFIG: &str = "[daemon]\nlog_level = \"warn\"\n\n[[pool]]\nname = \"bench\"\n\
-                      capacity = \"1MiB\"\nsize_classes = [\"4KiB\"]\n\n\
-                      [quota.default]\nregistered_bytes = \"64KiB\"\n";
+/// One worker, so that the idle QPs share it with the measured one.
+const CONFIG: &str = "[daemon]\nlog_level = \"warn\"\nworkers = 1\n\n[[pool]]\n\
+                      name = \"bench\"\ncapacity = \"1MiB\"\nsize_classes = [\"4KiB\"]\n\n\
+                      [quota.default]\nregistered_bytes = \"64KiB\"\nqps = 4096\n";
+const MAX_IDLE: u32 = 4000;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Mode {
@@ -61,12 +68,14 @@ enum Mode {
 struct Args {
     iterations: u32,
     modes: Vec<Mode>,
+    idle_qps: u32,
 }
 
 fn parse_args(mut it: impl Iterator<Item = String>) -> Result<Args> {
     let mut args = Args {
         iterations: 20_000,
         modes: vec![Mode::Spin, Mode::Block],
+        idle_qps: 1000,
     };
     while let Some(arg) = it.next() {
         let mut value = |name: &str| {
@@ -91,6 +100,15 @@ fn parse_args(mut it: impl Iterator<Item = String>) -> Result<Args> {
                     other => return Err(format!("--wait: unknown mode {other:?}\n{USAGE}").into()),
                 }
             }
+            "--idle-qps" => {
+                let n: u32 = value("--idle-qps")?
+                    .parse()
+                    .map_err(|e| format!("--idle-qps: {e}\n{USAGE}"))?;
+                if n > MAX_IDLE {
+                    return Err(format!("--idle-qps: at most {MAX_IDLE}\n{USAGE}").into());
+                }
+                args.idle_qps = n;
+            }
             "-h" | "--help" => {
                 println!("{USAGE}");
                 std::process::exit(0);
@@ -99,6 +117,13 @@ fn parse_args(mut it: impl Iterator<Item = String>) -> Result<Args> {
         }
     }
     Ok(args)
+}
+
+fn mode_name(mode: Mode) -> &'static str {
+    match mode {
+        Mode::Spin => "spin",
+        Mode::Block => "block",
+    }
 }
 
 /// One cell: the time of every batch, and of all of them together.
@@ -269,6 +294,9 @@ impl Floor {
 /// The proxied path: a session of rdmad on a private bus, two QPs connected to each other,
 /// the destination region exported through the peer QP.
 struct Proxied {
+    session: SessionProxy<'static>,
+    /// QPs made only to sit idle (their rings and descriptors held).
+    idle: Vec<QueuePairRing>,
     ring: QueuePairRing,
     src: u64,
     addr: u64,
@@ -329,12 +357,31 @@ impl Proxied {
             .export_remote(&qps[1].0.as_ref(), options)
             .await?;
         Ok(Proxied {
+            session,
+            idle: Vec::new(),
             ring: rings.swap_remove(0),
             src: object_id(src_path.as_str()).ok_or("the region's path has no id")?,
             addr,
             rkey,
             _connection: connection,
         })
+    }
+
+    /// Creates `n` more QPs in the session, never used.
+    async fn add_idle(&mut self, n: u32) -> Result<()> {
+        for _ in 0..n {
+            let (_, ring, doorbell, completions, info) = self
+                .session
+                .create_queue_pair(loopback::DEFAULT_NAME, Options::new())
+                .await?;
+            self.idle.push(QueuePairRing::new(
+                ring.into(),
+                doorbell.into(),
+                completions.into(),
+                info,
+            )?);
+        }
+        Ok(())
     }
 
     fn series(&mut self, batch: u32, n: u32, mode: Mode) -> Result<Cell> {
@@ -425,6 +472,13 @@ pub async fn run(args: impl Iterator<Item = String>) -> Result<()> {
             rdmad,
         });
     }
+    let mut with_idle = Vec::new();
+    if args.idle_qps > 0 {
+        proxied.add_idle(args.idle_qps).await?;
+        for &mode in &args.modes {
+            with_idle.push((mode, proxied.series(1, args.iterations, mode)?));
+        }
+    }
     drop(proxied);
     drop(daemon);
 
@@ -436,11 +490,7 @@ pub async fn run(args: impl Iterator<Item = String>) -> Result<()> {
     let mut head = String::from("| batch | device | device M WR/s |");
     let mut rule = String::from("|---:|---:|---:|");
     for mode in &args.modes {
-        let name = match mode {
-            Mode::Spin => "rdmad spin",
-            Mode::Block => "rdmad block",
-        };
-        head.push_str(&format!(" {name} | M WR/s | added |"));
+        head.push_str(&format!(" rdmad {} | M WR/s | added |", mode_name(*mode)));
         rule.push_str("---:|---:|---:|");
     }
     println!("{head}");
@@ -462,6 +512,25 @@ pub async fn run(args: impl Iterator<Item = String>) -> Result<()> {
             ));
         }
         println!("{line}");
+    }
+    if !with_idle.is_empty() {
+        println!();
+        println!(
+            "Batch 1 again with {} idle QPs on the same worker, µs, median (p99):",
+            args.idle_qps
+        );
+        println!();
+        println!("| wait | alone | with idle QPs | ratio |");
+        println!("|---|---:|---:|---:|");
+        for ((mode, idle), (_, alone)) in with_idle.iter().zip(&rows[0].rdmad) {
+            println!(
+                "| {} | {} | {} | {:.2} |",
+                mode_name(*mode),
+                alone.latency(),
+                idle.latency(),
+                idle.median().as_secs_f64() / alone.median().as_secs_f64()
+            );
+        }
     }
     Ok(())
 }
