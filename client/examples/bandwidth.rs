@@ -5,6 +5,8 @@
 //! bandwidth source [SIZE] [COUNT]     write COUNT messages of SIZE bytes into it
 //! ```
 //!
+//! `--spin` (either role) busy-polls the ring for completions instead of sleeping.
+//!
 //! Both print their endpoint as one JSON line on stdout and read the peer's from stdin.
 //! The sink then prints `{"addr":…,"rkey":…,"len":…}` of its export, which the source
 //! reads as its second line; the sink exits when its stdin closes. `scripts/demo` runs
@@ -23,10 +25,10 @@ mod common;
 
 #[tokio::main(flavor = "current_thread")]
 async fn main() -> Result<(), Box<dyn std::error::Error>> {
-    let args: Vec<String> = std::env::args().collect();
+    let (args, wait) = common::args_and_wait();
     let role = args.get(1).map(String::as_str).unwrap_or("");
     if role != "sink" && role != "source" {
-        eprintln!("usage: bandwidth sink | bandwidth source [SIZE] [COUNT]");
+        eprintln!("usage: bandwidth sink | bandwidth source [SIZE] [COUNT] [--spin]");
         std::process::exit(2);
     }
     let size: u32 = args.get(2).map_or(Ok(65536), |s| s.parse())?;
@@ -87,7 +89,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
             posted += 1;
         }
         let c = ring
-            .wait(Duration::from_secs(30))?
+            .wait_with(wait, Duration::from_secs(30))?
             .ok_or("no completion within 30 s")?;
         if c.status != Status::Success {
             return Err(format!("write {}: {:?}", c.wr_id, c.status).into());
@@ -96,9 +98,10 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     }
     let seconds = start.elapsed().as_secs_f64();
     println!(
-        "bandwidth: {count} RDMA WRITEs of {size} B on {device}: {:.1} MB/s, {:.0} messages/s",
+        "bandwidth: {count} RDMA WRITEs of {size} B on {device}: {:.1} MB/s, {:.0} messages/s; {}",
         (count * u64::from(size)) as f64 / seconds / 1e6,
-        count as f64 / seconds
+        count as f64 / seconds,
+        common::conditions(wait)
     );
     Ok(())
 }

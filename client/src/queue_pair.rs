@@ -141,7 +141,10 @@ impl QueuePairRing {
                 if std::time::Instant::now() >= spin_until {
                     break;
                 }
-                std::hint::spin_loop();
+                // Let whoever else wants this CPU have it (the daemon's worker, the peer):
+                // where spinners outnumber cores, a bare spin starves the thread that
+                // would deliver the completion for a whole scheduler slice.
+                std::thread::yield_now();
             }
         }
         loop {

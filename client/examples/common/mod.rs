@@ -9,7 +9,7 @@ use std::os::fd::OwnedFd;
 
 use rdmad_client::names::object_id;
 use rdmad_client::proxy::{ManagerProxy, Options, QueuePairProxy, SessionProxy};
-use rdmad_client::queue_pair::QueuePairRing;
+use rdmad_client::queue_pair::{QueuePairRing, Wait};
 use rdmad_client::types::Endpoint;
 use rdmad_client::RegionMapping;
 use zbus::zvariant::OwnedObjectPath;
@@ -83,4 +83,30 @@ impl Side {
         self.qp.connect(&peer, Options::new()).await?;
         Ok(peer)
     }
+}
+
+/// The program's arguments without `--spin`, and how to wait for completions: with
+/// `--spin`, busy-poll the ring (for up to 10 ms, then sleep); without, sleep at once.
+pub fn args_and_wait() -> (Vec<String>, Wait) {
+    let mut wait = Wait::Block;
+    let args = std::env::args()
+        .filter(|a| {
+            let spin = a == "--spin";
+            if spin {
+                wait = Wait::Spin(std::time::Duration::from_millis(10));
+            }
+            !spin
+        })
+        .collect();
+    (args, wait)
+}
+
+/// How the figures were made: the wait mode and the CPUs this process may run on.
+pub fn conditions(wait: Wait) -> String {
+    let cpus = std::thread::available_parallelism().map_or(0, std::num::NonZeroUsize::get);
+    let mode = match wait {
+        Wait::Block => "blocking".to_owned(),
+        Wait::Spin(budget) => format!("busy-polling (up to {budget:?}, then blocking)"),
+    };
+    format!("{mode}, {cpus} CPUs")
 }

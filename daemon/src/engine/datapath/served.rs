@@ -98,6 +98,11 @@ impl ServedQp {
         self.sends == 0 && self.backlog.is_empty() && self.internal.is_empty()
     }
 
+    /// Whether receives are posted (their completions come when a peer sends).
+    pub(super) fn has_receives(&self) -> bool {
+        self.recvs > 0
+    }
+
     /// Everything the worker does for this QP in one look: takes submissions, polls the CQ
     /// if the device owes completions, delivers; returns whether anything moved.
     pub(super) fn serve(&mut self) -> bool {

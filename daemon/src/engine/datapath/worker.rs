@@ -221,11 +221,41 @@ const REST_LOOKS: usize = 16;
 /// The QPs a worker serves, split by how often it looks at them: busy ones every pass,
 /// resting ones (no work for [`REST_AFTER`]) a few per pass, so that a thousand idle QPs
 /// cost an active one a few loads per pass rather than a thousand.
-#[derive(Default)]
 struct Served {
     busy: Vec<ServedQp>,
     resting: Vec<ServedQp>,
     cursor: usize,
+    /// What the worker sleeps on: its wake-up eventfd and every served QP's doorbell and
+    /// completion channel, registered once while the QP is served (see [`Event`]).
+    epoll: Epoll,
+}
+
+/// What an epoll event of a worker is about: `u64` data, the QP's id shifted left by two
+/// and the kind in the low bits.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Event {
+    Wake,
+    Doorbell(QpId),
+    Completions(QpId),
+}
+
+impl Event {
+    fn data(self) -> u64 {
+        match self {
+            Event::Wake => 0,
+            Event::Doorbell(id) => id.0 << 2 | 1,
+            Event::Completions(id) => id.0 << 2 | 2,
+        }
+    }
+
+    fn of(data: u64) -> Event {
+        let id = QpId(data >> 2);
+        match data & 3 {
+            1 => Event::Doorbell(id),
+            2 => Event::Completions(id),
+            _ => Event::Wake,
+        }
+    }
 }
 
 impl Served {
@@ -237,17 +267,58 @@ impl Served {
         self.busy.iter_mut().chain(&mut self.resting)
     }
 
-    /// Serves exactly the QPs of `current`: drops the others, adds the new ones as busy.
+    fn new(wake: &OwnedFd) -> std::io::Result<Served> {
+        let epoll = Epoll::new(EpollCreateFlags::EPOLL_CLOEXEC)?;
+        epoll.add(
+            wake.as_fd(),
+            EpollEvent::new(EpollFlags::EPOLLIN, Event::Wake.data()),
+        )?;
+        Ok(Served {
+            busy: Vec::new(),
+            resting: Vec::new(),
+            cursor: 0,
+            epoll,
+        })
+    }
+
+    /// Serves exactly the QPs of `current`: drops the others (and their descriptors from
+    /// the epoll set), adds the new ones as busy.
     fn apply(&mut self, current: &[(QpId, Arc<QueuePairRecord>)]) {
         let wanted: std::collections::HashSet<QpId> = current.iter().map(|(id, _)| *id).collect();
-        self.busy.retain(|q| wanted.contains(&q.id));
-        self.resting.retain(|q| wanted.contains(&q.id));
+        let epoll = &self.epoll;
+        let forget = |q: &ServedQp| {
+            let _ = epoll.delete(q.record.doorbell.daemon_end());
+            let _ = epoll.delete(q.record.cq.event_fd());
+        };
+        for list in [&mut self.busy, &mut self.resting] {
+            list.retain(|q| {
+                let keep = wanted.contains(&q.id);
+                if !keep {
+                    forget(q);
+                }
+                keep
+            });
+        }
         let have: std::collections::HashSet<QpId> = self.all().map(|q| q.id).collect();
         for (id, record) in current {
             if !have.contains(id) {
+                for (fd, event) in [
+                    (record.doorbell.daemon_end(), Event::Doorbell(*id)),
+                    (record.cq.event_fd(), Event::Completions(*id)),
+                ] {
+                    if let Err(e) =
+                        epoll.add(fd, EpollEvent::new(EpollFlags::EPOLLIN, event.data()))
+                    {
+                        tracing::warn!(qp = %id, "cannot watch a queue pair's descriptor: {e}");
+                    }
+                }
                 self.busy.push(ServedQp::new(*id, Arc::clone(record)));
             }
         }
+    }
+
+    fn find(&mut self, id: QpId) -> Option<&mut ServedQp> {
+        self.all_mut().find(|q| q.id == id)
     }
 
     /// One pass: every busy QP, and [`REST_LOOKS`] resting ones (all of them if `full`).
@@ -290,7 +361,13 @@ impl Served {
 }
 
 fn run(shared: &WorkerQps, commands: &Commands, wake: &OwnedFd, stop: &AtomicBool, spin: Duration) {
-    let mut served = Served::default();
+    let mut served = match Served::new(wake) {
+        Ok(served) => served,
+        Err(e) => {
+            tracing::error!("a data-path worker cannot create its epoll set: {e}");
+            return;
+        }
+    };
     let mut last_work = Instant::now();
     let mut seen = 0;
     let mut full = false;
@@ -308,7 +385,7 @@ fn run(shared: &WorkerQps, commands: &Commands, wake: &OwnedFd, stop: &AtomicBoo
         let mut busy = false;
         for command in pending {
             busy = true;
-            match served.all_mut().find(|q| q.id == command.qp) {
+            match served.find(command.qp) {
                 Some(q) => q.run_command(command.op, command.reply),
                 None => {
                     let _ = command.reply.send(Err(WorkerError::NotServed(command.qp)));
@@ -322,13 +399,19 @@ fn run(shared: &WorkerQps, commands: &Commands, wake: &OwnedFd, stop: &AtomicBoo
             continue;
         }
         if now.duration_since(last_work) < spin {
-            std::hint::spin_loop();
+            // Spin, but give the CPU to anyone else who wants it: with more spinners than
+            // cores (clients busy-polling, several workers), a bare spin holds a core for a
+            // whole scheduler slice while the thread that would make progress waits.
+            std::thread::yield_now();
             continue;
         }
-        sleep(&mut served, wake);
-        // Whatever woke the worker may be a resting QP's: look at all of them once.
-        full = true;
-        last_work = Instant::now();
+        if sleep(&mut served, wake) {
+            // Whatever woke the worker may be a resting QP's: look at all of them once,
+            // and spin again before the next sleep. (After a quiet time-out it sleeps
+            // again at once.)
+            full = true;
+            last_work = Instant::now();
+        }
     }
 }
 
@@ -343,39 +426,50 @@ fn handback_held(served: &Served, shared: &WorkerQps) -> bool {
     })
 }
 
-/// Arms everything and sleeps until a doorbell, a completion or a wake-up.
-fn sleep(served: &mut Served, wake: &OwnedFd) {
-    let Ok(epoll) = Epoll::new(EpollCreateFlags::EPOLL_CLOEXEC) else {
-        std::thread::sleep(Duration::from_millis(1));
-        return;
-    };
-    let _ = epoll.add(wake.as_fd(), EpollEvent::new(EpollFlags::EPOLLIN, 0));
+/// Sleeps until a doorbell, a completion or a wake-up: asks every client for a doorbell,
+/// arms the CQs of the QPs the device owes completions (no other can raise an event), and
+/// waits on the epoll set. Only the descriptors that fired are read. Returns whether
+/// anything did, or work was found before the wait.
+fn sleep(served: &mut Served, wake: &OwnedFd) -> bool {
     for q in served.all_mut() {
         q.store_flags(true);
-        let _ = q.record.cq.arm();
-        let _ = epoll.add(
-            q.record.doorbell.daemon_end(),
-            EpollEvent::new(EpollFlags::EPOLLIN, 0),
-        );
-        let _ = epoll.add(
-            q.record.cq.event_fd(),
-            EpollEvent::new(EpollFlags::EPOLLIN, 0),
-        );
+        if !q.may_rest() || q.has_receives() {
+            let _ = q.record.cq.arm();
+        }
     }
     // Work that arrived between the last look and the flags is seen now. The fence pairs
     // with the client's (store tail or head, fence, load flags): one of the two sees the
     // other. Completions held back for a full ring are not work until the client makes
     // room (and rings the doorbell, as CQ_WAITING asks): the worker does not spin on them.
     std::sync::atomic::fence(Ordering::SeqCst);
-    let pending = served.all().any(ServedQp::ready);
-    if !pending {
-        let mut events = [EpollEvent::empty(); 16];
-        let _ = epoll.wait(&mut events, EpollTimeout::from(100u16));
+    let mut events = [EpollEvent::empty(); 64];
+    let mut fired = 0;
+    let ready = served.all().any(ServedQp::ready);
+    if !ready {
+        // A bounded wait: the loop looks at everything again after it, whether or not
+        // anything announced itself (a test hook holding a change back, say).
+        fired = served
+            .epoll
+            .wait(&mut events, EpollTimeout::from(100u16))
+            .unwrap_or(0);
     }
-    drain(wake.as_fd());
+    for event in &events[..fired] {
+        match Event::of(event.data()) {
+            Event::Wake => drain(wake.as_fd()),
+            Event::Doorbell(id) => {
+                if let Some(q) = served.find(id) {
+                    q.record.doorbell.drain();
+                }
+            }
+            Event::Completions(id) => {
+                if let Some(q) = served.find(id) {
+                    let _ = q.record.cq.acknowledge_events();
+                }
+            }
+        }
+    }
     for q in served.all_mut() {
         q.store_flags(false);
-        q.record.doorbell.drain();
-        let _ = q.record.cq.acknowledge_events();
     }
+    ready || fired > 0
 }

@@ -367,10 +367,11 @@ impl Proxied {
         })
     }
 
-    /// Creates `n` more QPs in the session, never used.
+    /// Creates `n` more QPs in the session, connected in pairs to each other, never used.
     async fn add_idle(&mut self, n: u32) -> Result<()> {
+        let mut unpaired: Option<QueuePairProxy<'static>> = None;
         for _ in 0..n {
-            let (_, ring, doorbell, completions, info) = self
+            let (path, ring, doorbell, completions, info) = self
                 .session
                 .create_queue_pair(loopback::DEFAULT_NAME, Options::new())
                 .await?;
@@ -380,6 +381,17 @@ impl Proxied {
                 completions.into(),
                 info,
             )?);
+            let qp = QueuePairProxy::builder(self.session.inner().connection())
+                .path(path)?
+                .build()
+                .await?;
+            match unpaired.take() {
+                None => unpaired = Some(qp),
+                Some(peer) => {
+                    qp.connect(&peer.endpoint().await?, Options::new()).await?;
+                    peer.connect(&qp.endpoint().await?, Options::new()).await?;
+                }
+            }
         }
         Ok(())
     }
@@ -473,11 +485,20 @@ pub async fn run(args: impl Iterator<Item = String>) -> Result<()> {
         });
     }
     let mut with_idle = Vec::new();
+    let mut idle_cost = None;
     if args.idle_qps > 0 {
+        let pid = daemon.child.id().ok_or("rdmad exited")?;
+        let before = Usage::of(pid)?;
         proxied.add_idle(args.idle_qps).await?;
         for &mode in &args.modes {
             with_idle.push((mode, proxied.series(1, args.iterations, mode)?));
         }
+        // Nothing moves now: the workers stop spinning after their spin budget and sleep.
+        std::thread::sleep(Duration::from_secs(1));
+        let quiet = Usage::of(pid)?;
+        std::thread::sleep(IDLE_WINDOW);
+        let after = Usage::of(pid)?;
+        idle_cost = Some((before, quiet, after));
     }
     drop(proxied);
     drop(daemon);
@@ -532,5 +553,60 @@ pub async fn run(args: impl Iterator<Item = String>) -> Result<()> {
             );
         }
     }
+    if let Some((before, quiet, after)) = idle_cost {
+        let cpu = (after.cpu - quiet.cpu).as_secs_f64() / IDLE_WINDOW.as_secs_f64();
+        println!();
+        println!(
+            "Idle: rdmad with {} more QPs (connected in pairs, none used) over {} s: {:.2} % of \
+             a core; its resident memory grew by {} KiB ({:.1} KiB per QP, {} KiB of it \
+             shared memory: the rings).",
+            args.idle_qps,
+            IDLE_WINDOW.as_secs(),
+            cpu * 100.0,
+            quiet.rss_kib.saturating_sub(before.rss_kib),
+            quiet.rss_kib.saturating_sub(before.rss_kib) as f64 / f64::from(args.idle_qps),
+            quiet.shmem_kib.saturating_sub(before.shmem_kib),
+        );
+    }
     Ok(())
+}
+
+/// How long the idle daemon's CPU time is measured.
+const IDLE_WINDOW: Duration = Duration::from_secs(10);
+
+/// A process's CPU time and resident memory.
+struct Usage {
+    cpu: Duration,
+    rss_kib: u64,
+    shmem_kib: u64,
+}
+
+impl Usage {
+    fn of(pid: u32) -> Result<Usage> {
+        let stat = std::fs::read_to_string(format!("/proc/{pid}/stat"))?;
+        // Fields after the command name (which may hold spaces), from field 3 on.
+        let fields: Vec<&str> = stat
+            .rsplit_once(')')
+            .ok_or("malformed /proc/PID/stat")?
+            .1
+            .split_whitespace()
+            .collect();
+        let ticks: u64 = fields[11].parse::<u64>()? + fields[12].parse::<u64>()?;
+        let hz =
+            nix::unistd::sysconf(nix::unistd::SysconfVar::CLK_TCK)?.ok_or("no CLK_TCK")? as u64;
+        let status = std::fs::read_to_string(format!("/proc/{pid}/status"))?;
+        let kib = |key: &str| -> u64 {
+            status
+                .lines()
+                .find_map(|l| l.strip_prefix(key))
+                .and_then(|v| v.split_whitespace().next())
+                .and_then(|v| v.parse().ok())
+                .unwrap_or(0)
+        };
+        Ok(Usage {
+            cpu: Duration::from_secs_f64(ticks as f64 / hz as f64),
+            rss_kib: kib("VmRSS:"),
+            shmem_kib: kib("RssShmem:"),
+        })
+    }
 }
