@@ -97,6 +97,18 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         done += 1;
     }
     let seconds = start.elapsed().as_secs_f64();
+    // The raw alternative in the same run: the same bytes copied by this process.
+    let (from, mut to) = (vec![1u8; size as usize], vec![0u8; size as usize]);
+    let copy_start = Instant::now();
+    for _ in 0..count {
+        to.copy_from_slice(std::hint::black_box(&from));
+        std::hint::black_box(&mut to);
+    }
+    let copy_seconds = copy_start.elapsed().as_secs_f64();
+    println!(
+        "memcpy: {count} copies of {size} B in this process: {:.1} MB/s",
+        (count * u64::from(size)) as f64 / copy_seconds / 1e6
+    );
     println!(
         "bandwidth: {count} RDMA WRITEs of {size} B on {device}: {:.1} MB/s, {:.0} messages/s; {}",
         (count * u64::from(size)) as f64 / seconds / 1e6,

@@ -88,6 +88,32 @@ impl QueuePairRing {
         Ok(Ok(()))
     }
 
+    /// Queues as many of `subs` as the ring has room for, in order, and publishes them with
+    /// one store of the tail (and at most one doorbell); returns how many it queued.
+    pub fn submit_all(&mut self, subs: &[Submission]) -> io::Result<usize> {
+        let head = self.map.load_u32(header::SQ_HEAD)?;
+        let room = self
+            .layout
+            .sq_entries
+            .saturating_sub(self.sq_tail.wrapping_sub(head)) as usize;
+        let n = subs.len().min(room);
+        if n == 0 {
+            return Ok(0);
+        }
+        for (i, s) in subs[..n].iter().enumerate() {
+            let slot = self.layout.sqe(self.sq_tail.wrapping_add(i as u32));
+            self.map.write(slot, &s.encode())?;
+        }
+        self.sq_tail = self.sq_tail.wrapping_add(n as u32);
+        self.map.store_u32(header::SQ_TAIL, self.sq_tail)?;
+        // As in `submit`: store the tail, fence, then load the flag.
+        std::sync::atomic::fence(std::sync::atomic::Ordering::SeqCst);
+        if self.map.load_u32(header::SQ_FLAGS)? & ring::SQ_NEED_WAKEUP != 0 {
+            self.ring_doorbell()?;
+        }
+        Ok(n)
+    }
+
     /// Writes raw bytes as the next submission (for testing the daemon's checks).
     pub fn submit_raw(&mut self, entry: &[u8; ring::SQE_SIZE]) -> io::Result<()> {
         self.map.write(self.layout.sqe(self.sq_tail), entry)?;

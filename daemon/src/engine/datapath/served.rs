@@ -297,8 +297,9 @@ impl ServedQp {
         true
     }
 
-    /// Takes completions from the CQ; returns whether there were any.
-    fn reap(&mut self) -> bool {
+    /// Takes completions from the CQ (into those waiting for the ring); returns whether
+    /// there were any.
+    pub(super) fn reap(&mut self) -> bool {
         let mut wcs = std::mem::take(&mut self.scratch.wcs);
         wcs.clear();
         if let Err(e) = self.record.cq.poll(&mut wcs, 64) {

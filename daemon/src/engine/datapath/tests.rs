@@ -254,3 +254,39 @@ fn a_resting_queue_pair_is_still_served() {
         );
     }
 }
+
+/// A batch is published with one store of the tail: every request of it comes back, in
+/// order; a batch larger than the ring's free room queues exactly what fits.
+#[test]
+fn a_batch_is_published_at_once_and_no_more_than_fits() {
+    let (_engine, q) = loopback_qp();
+    let mut ring = ring_of(&q);
+    let refused = |wr_id| {
+        Submission::new(
+            Opcode::Send,
+            wr_id,
+            RegionSge {
+                region: 77,
+                offset: 0,
+                length: 8,
+            },
+        )
+    };
+    let take = |ring: &mut QueuePairRing, n: u64| {
+        for wr_id in 0..n {
+            let c = ring.wait(Duration::from_secs(10)).unwrap();
+            assert_eq!(
+                c.map(|c| (c.wr_id, c.status)),
+                Some((wr_id, Status::RegionAccessDenied))
+            );
+        }
+    };
+    let three: Vec<Submission> = (0..3).map(refused).collect();
+    assert_eq!(ring.submit_all(&three).unwrap(), 3);
+    take(&mut ring, 3);
+    let sq = u64::from(q.layout.sq_entries);
+    let too_many: Vec<Submission> = (0..sq + 5).map(refused).collect();
+    assert_eq!(ring.submit_all(&too_many).unwrap() as u64, sq);
+    take(&mut ring, sq);
+    assert_eq!(ring.poll().unwrap(), None);
+}

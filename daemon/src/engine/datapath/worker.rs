@@ -144,9 +144,10 @@ impl Worker {
             let (qps, stop, commands) =
                 (Arc::clone(&qps), Arc::clone(&stop), Arc::clone(&commands));
             let wake = wake.try_clone()?;
+            let served = Served::new(&wake)?;
             std::thread::Builder::new()
                 .name(format!("rdmad-dp-{index}"))
-                .spawn(move || run(&qps, &commands, &wake, &stop, spin))?
+                .spawn(move || run(served, &qps, &commands, &wake, &stop, spin))?
         };
         Ok(Worker {
             qps,
@@ -360,14 +361,14 @@ impl Served {
     }
 }
 
-fn run(shared: &WorkerQps, commands: &Commands, wake: &OwnedFd, stop: &AtomicBool, spin: Duration) {
-    let mut served = match Served::new(wake) {
-        Ok(served) => served,
-        Err(e) => {
-            tracing::error!("a data-path worker cannot create its epoll set: {e}");
-            return;
-        }
-    };
+fn run(
+    mut served: Served,
+    shared: &WorkerQps,
+    commands: &Commands,
+    wake: &OwnedFd,
+    stop: &AtomicBool,
+    spin: Duration,
+) {
     let mut last_work = Instant::now();
     let mut seen = 0;
     let mut full = false;
@@ -431,10 +432,15 @@ fn handback_held(served: &Served, shared: &WorkerQps) -> bool {
 /// waits on the epoll set. Only the descriptors that fired are read. Returns whether
 /// anything did, or work was found before the wait.
 fn sleep(served: &mut Served, wake: &OwnedFd) -> bool {
+    // An armed CQ raises an event for its next completion only, so each is polled once
+    // more after arming: a completion that came in between is found now, not after the
+    // wait's time-out.
+    let mut completed = false;
     for q in served.all_mut() {
         q.store_flags(true);
         if !q.may_rest() || q.has_receives() {
             let _ = q.record.cq.arm();
+            completed |= q.reap();
         }
     }
     // Work that arrived between the last look and the flags is seen now. The fence pairs
@@ -444,7 +450,7 @@ fn sleep(served: &mut Served, wake: &OwnedFd) -> bool {
     std::sync::atomic::fence(Ordering::SeqCst);
     let mut events = [EpollEvent::empty(); 64];
     let mut fired = 0;
-    let ready = served.all().any(ServedQp::ready);
+    let ready = completed || served.all().any(ServedQp::ready);
     if !ready {
         // A bounded wait: the loop looks at everything again after it, whether or not
         // anything announced itself (a test hook holding a change back, say).
