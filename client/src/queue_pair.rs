@@ -25,8 +25,9 @@ pub enum Wait {
     /// Sleep on the completion channel at once: no CPU while waiting, a wake-up's latency
     /// (a system call on each side) per completion waited for.
     Block,
-    /// Busy-poll the ring for up to this long, then sleep as `Block` does: while spinning,
-    /// neither side makes a system call for a completion.
+    /// Busy-poll the ring for up to this long, then sleep as `Block` does: while spinning
+    /// there is no wake-up (the daemon writes no channel, the client sleeps in no
+    /// `poll(2)`); the spinner only yields its CPU to whoever else wants it.
     Spin(Duration),
 }
 

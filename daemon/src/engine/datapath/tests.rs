@@ -32,9 +32,16 @@ fn ring_of(q: &QueuePairRecord) -> QueuePairRing {
 /// A loopback engine and one queue pair of a session of uid 1000 (the engine must live
 /// as long as the QP is used).
 fn loopback_qp() -> (Engine, Arc<QueuePairRecord>) {
-    let config = Config::default();
+    let (engine, mut qps) = engine_with("", 1);
+    (engine, qps.remove(0))
+}
+
+/// A loopback engine started from configuration `text`, a session of uid 1000 and `n`
+/// queue pairs in it.
+fn engine_with(text: &str, n: usize) -> (Engine, Vec<Arc<QueuePairRecord>>) {
+    let config = Config::parse(std::path::Path::new("t.toml"), text).unwrap();
     let engine = Engine::start(
-        config.clone(),
+        config,
         PathBuf::from("/dev/null"),
         Some(ProviderChoice::Loopback),
     )
@@ -46,28 +53,37 @@ fn loopback_qp() -> (Engine, Arc<QueuePairRecord>) {
     };
     let limits = Limits::unlimited(1000);
     let s = engine.open_session(&alice, &limits).unwrap();
-    let id = engine
-        .create_qp(&alice, &limits, s, "loopback0", QpOptions::default())
-        .unwrap()
-        .id;
-    let q = engine.registry.own_qp(&alice, id).unwrap();
-    (engine, q)
+    let qps = (0..n)
+        .map(|_| {
+            let id = engine
+                .create_qp(&alice, &limits, s, "loopback0", QpOptions::default())
+                .unwrap()
+                .id;
+            engine.registry.own_qp(&alice, id).unwrap()
+        })
+        .collect();
+    (engine, qps)
+}
+
+/// A request the worker refuses before the device: it names a region the session does
+/// not have (`RegionAccessDenied`).
+fn refused(wr_id: u64) -> Submission {
+    Submission::new(
+        Opcode::Send,
+        wr_id,
+        RegionSge {
+            region: 77,
+            offset: 0,
+            length: 8,
+        },
+    )
 }
 
 #[test]
 fn a_refused_submission_comes_back_as_a_completion() {
     let (_engine, q) = loopback_qp();
     let mut ring = ring_of(&q);
-    let sub = Submission::new(
-        Opcode::Send,
-        9,
-        RegionSge {
-            region: 77,
-            offset: 0,
-            length: 8,
-        },
-    );
-    ring.submit(&sub).unwrap().unwrap();
+    ring.submit(&refused(9)).unwrap().unwrap();
     let c = ring
         .wait(Duration::from_secs(10))
         .unwrap()
@@ -84,17 +100,6 @@ fn a_client_that_never_reads_completions_is_held_to_a_bound() {
     let (_engine, q) = loopback_qp();
     let (sq, cq) = (q.layout.sq_entries, q.layout.cq_entries);
     let mut ring = ring_of(&q);
-    let refused = |wr_id| {
-        Submission::new(
-            Opcode::Send,
-            wr_id,
-            RegionSge {
-                region: 77,
-                offset: 0,
-                length: 8,
-            },
-        )
-    };
     let deadline = Instant::now() + Duration::from_secs(20);
     let mut submitted = 0u64;
     loop {
@@ -172,48 +177,17 @@ fn worker_errors_keep_their_messages() {
 }
 
 /// An engine with `workers` data-path workers that never sleep during a test (so a QP's
-/// requests are found by the worker's passes, not by a doorbell), a session of uid 1000 and
-/// `n` queue pairs in it.
+/// requests are found by the worker's passes, not by a doorbell), and `n` queue pairs.
 fn engine_with_qps(workers: u32, n: usize) -> (Engine, Vec<Arc<QueuePairRecord>>) {
-    let text = format!("[daemon]\nworkers = {workers}\nworker_spin_us = 1000000\n");
-    let config = Config::parse(std::path::Path::new("t.toml"), &text).unwrap();
-    let engine = Engine::start(
-        config,
-        PathBuf::from("/dev/null"),
-        Some(ProviderChoice::Loopback),
+    engine_with(
+        &format!("[daemon]\nworkers = {workers}\nworker_spin_us = 1000000\n"),
+        n,
     )
-    .unwrap();
-    let alice = Owner {
-        uid: 1000,
-        connection: ":1.1".into(),
-        pid: None,
-    };
-    let limits = Limits::unlimited(1000);
-    let s = engine.open_session(&alice, &limits).unwrap();
-    let qps = (0..n)
-        .map(|_| {
-            let id = engine
-                .create_qp(&alice, &limits, s, "loopback0", QpOptions::default())
-                .unwrap()
-                .id;
-            engine.registry.own_qp(&alice, id).unwrap()
-        })
-        .collect();
-    (engine, qps)
 }
 
-/// A request the worker refuses (it names no region): its completion proves the QP served.
+/// Submits a refused request and waits for its completion: proof that the QP is served.
 fn answered(ring: &mut QueuePairRing, wr_id: u64) {
-    let sub = Submission::new(
-        Opcode::Send,
-        wr_id,
-        RegionSge {
-            region: 77,
-            offset: 0,
-            length: 8,
-        },
-    );
-    ring.submit(&sub).unwrap().unwrap();
+    ring.submit(&refused(wr_id)).unwrap().unwrap();
     let c = ring.wait(Duration::from_secs(10)).unwrap();
     assert_eq!(
         c.map(|c| (c.wr_id, c.status)),
@@ -261,17 +235,6 @@ fn a_resting_queue_pair_is_still_served() {
 fn a_batch_is_published_at_once_and_no_more_than_fits() {
     let (_engine, q) = loopback_qp();
     let mut ring = ring_of(&q);
-    let refused = |wr_id| {
-        Submission::new(
-            Opcode::Send,
-            wr_id,
-            RegionSge {
-                region: 77,
-                offset: 0,
-                length: 8,
-            },
-        )
-    };
     let take = |ring: &mut QueuePairRing, n: u64| {
         for wr_id in 0..n {
             let c = ring.wait(Duration::from_secs(10)).unwrap();
