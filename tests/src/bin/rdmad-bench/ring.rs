@@ -11,8 +11,8 @@
 //! - **device**: the same requests posted by this process to its own instance of the
 //!   loopback provider (`post_send` of the whole batch, then `poll` until every completion
 //!   is there) — the no-proxy floor, what the same work costs without rdmad;
-//! - **rdmad, spin**: submitted to the QP's ring (`QueuePairRing::submit_all`: the batch
-//!   published with one store of the tail), completions taken by busy-polling the ring
+//! - **rdmad, spin**: submitted to the QP's ring one `QueuePairRing::submit` at a time,
+//!   completions taken by busy-polling the ring
 //!   (`QueuePairRing::wait` in its spinning mode);
 //! - **rdmad, block**: the same, waiting on the completion channel (`poll(2)`) as soon as no
 //!   completion is there.
@@ -419,8 +419,10 @@ impl Proxied {
         let mut cell = Cell::new(batch, n);
         for i in 0..WARMUP + n {
             let start = Instant::now();
-            if self.ring.submit_all(&batch_of)? != batch_of.len() {
-                return Err("the submission ring is full".into());
+            for s in &batch_of {
+                self.ring
+                    .submit(s)?
+                    .map_err(|_| "the submission ring is full")?;
             }
             for _ in 0..batch {
                 let c = self
