@@ -86,9 +86,10 @@ impl ServedQp {
         self.backlog.len() < self.record.layout.cq_entries as usize
     }
 
-    /// Whether the device owes this QP completions: only then is its CQ polled, so that a
-    /// worker's pass over idle QPs costs a load of each submission tail and nothing more.
-    fn expects_completions(&self) -> bool {
+    /// Whether the device owes this QP completions (receives included): only then is its
+    /// CQ polled or armed, so that a worker's pass over idle QPs costs a load of each
+    /// submission tail and nothing more.
+    pub(super) fn expects_completions(&self) -> bool {
         self.sends + self.recvs > 0
     }
 
@@ -96,11 +97,6 @@ impl ServedQp {
     /// flight but receives, no completions waiting for ring space.
     pub(super) fn may_rest(&self) -> bool {
         self.sends == 0 && self.backlog.is_empty() && self.internal.is_empty()
-    }
-
-    /// Whether receives are posted (their completions come when a peer sends).
-    pub(super) fn has_receives(&self) -> bool {
-        self.recvs > 0
     }
 
     /// Everything the worker does for this QP in one look: takes submissions, polls the CQ
@@ -260,17 +256,16 @@ impl ServedQp {
             }
         };
         // A device takes a prefix of each batch; request ids grow in the order they were
-        // staged, so the first one it did not take marks the cut.
-        let cut = |ids: &mut dyn Iterator<Item = u64>, n: usize| ids.nth(n).unwrap_or(u64::MAX);
+        // staged, so the first request it did not take marks the cut.
         let mut recv_cut = u64::MAX;
         if !recvs.is_empty() {
             let n = taken("post_recv", recvs.len(), self.record.qp.post_recv(recvs));
-            recv_cut = cut(&mut recvs.iter().map(|w| w.wr_id), n);
+            recv_cut = recvs.get(n).map_or(u64::MAX, |w| w.wr_id);
         }
         let mut send_cut = u64::MAX;
         if !sends.is_empty() {
             let n = taken("post_send", sends.len(), self.record.qp.post_send(sends));
-            send_cut = cut(&mut sends.iter().map(|w| w.wr_id), n);
+            send_cut = sends.get(n).map_or(u64::MAX, |w| w.wr_id);
         }
         let mut posted = 0;
         for (wr, flight) in staged.drain(..) {

@@ -438,7 +438,7 @@ fn sleep(served: &mut Served, wake: &OwnedFd) -> bool {
     let mut completed = false;
     for q in served.all_mut() {
         q.store_flags(true);
-        if !q.may_rest() || q.has_receives() {
+        if q.expects_completions() {
             let _ = q.record.cq.arm();
             completed |= q.reap();
         }
