@@ -2,7 +2,7 @@
 //! of the proxied data path.
 //!
 //! ```text
-//! ping-pong ping|pong [ITERATIONS] [SIZE] [--spin]
+//! ping-pong ping|pong [ITERATIONS] [SIZE] [--spin] [--write]
 //! ```
 //!
 //! Each side opens a session, allocates a region, creates a queue pair on the first
@@ -10,12 +10,20 @@
 //! from the first line of stdin. `pong` echoes every message back; `ping` times the round
 //! trips and prints the median and 99th percentile. With `--spin` a side busy-polls its ring
 //! for completions instead of sleeping on the completion channel. `scripts/demo` runs both.
+//!
+//! With `--write` the messages are RDMA WRITEs instead of SEND/RECV, as perftest's
+//! `ib_write_lat` does it: after connecting, each side exports its region through its QP
+//! and prints `{"addr":…,"rkey":…}` as its second line, reads the peer's as its second line
+//! of stdin, and learns of an arriving message by watching the message's last 8 bytes in
+//! its own memory (a round number); the WRITE's own completion is reaped after that.
 
 use std::time::{Duration, Instant};
 
-use rdmad_client::proxy::Options;
+use rdmad_client::proxy::{Options, RegionProxy};
 use rdmad_client::queue_pair::{QueuePairRing, Wait};
 use rdmad_client::ring::{Opcode, RegionSge, Status, Submission};
+use rdmad_client::RegionMapping;
+use zbus::zvariant::Value;
 
 fn request(opcode: Opcode, wr_id: u64, region: u64, offset: u64, length: u32) -> Submission {
     Submission::new(
@@ -59,13 +67,18 @@ mod common;
 #[tokio::main(flavor = "current_thread")]
 async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let (args, wait) = common::args_and_wait();
+    let by_write = args.iter().any(|a| a == "--write");
+    let args: Vec<String> = args.into_iter().filter(|a| a != "--write").collect();
     let role = args.get(1).map(String::as_str).unwrap_or("");
     if role != "ping" && role != "pong" {
-        eprintln!("usage: ping-pong ping|pong [ITERATIONS] [SIZE] [--spin]");
+        eprintln!("usage: ping-pong ping|pong [ITERATIONS] [SIZE] [--spin] [--write]");
         std::process::exit(2);
     }
     let iterations: u64 = args.get(2).map_or(Ok(1000), |s| s.parse())?;
     let size: u32 = args.get(3).map_or(Ok(64), |s| s.parse())?;
+    if !(8..=2048).contains(&size) {
+        return Err("SIZE must be 8 to 2048 bytes".into());
+    }
 
     let mut side = common::setup(4096, Options::new()).await?;
     let mut stdin = std::io::stdin().lines();
@@ -80,6 +93,31 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
 
     // Messages go out from offset 0 and come in at offset 2048.
     let (send_at, recv_at) = (0, 2048);
+    if by_write {
+        let r = RegionProxy::builder(&side.connection)
+            .path(side.region_path.clone())?
+            .build()
+            .await?;
+        let mut options = Options::new();
+        options.insert("access", Value::from("w"));
+        let (addr, rkey, _, _) = r.export_remote(&side.qp_path.as_ref(), options).await?;
+        println!("{}", serde_json::json!({"addr": addr, "rkey": rkey}));
+        let line = stdin
+            .next()
+            .ok_or("stdin closed before the peer's export")??;
+        let export: serde_json::Value = serde_json::from_str(line.trim())?;
+        let peer = Remote {
+            addr: export["addr"].as_u64().ok_or("export without addr")? + recv_at,
+            rkey: export["rkey"].as_u64().ok_or("export without rkey")? as u32,
+        };
+        let rtts = write_rounds(role, iterations, size, (region, buffer, ring), wait, peer)?;
+        if role == "ping" {
+            report("RDMA WRITE", iterations, size, device, rtts, wait);
+        }
+        // Each side's last WRITE was seen to land by the other before it wrote back (or
+        // exited): neither export is needed any longer.
+        return Ok(());
+    }
     let mut rtts = Vec::with_capacity(iterations as usize);
     let mut last_id = 0;
     let mut fresh = || {
@@ -124,16 +162,83 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         }
     }
     if role == "ping" {
-        rtts.sort();
-        let median = rtts[rtts.len() / 2];
-        let p99 = rtts[(rtts.len() * 99 / 100).min(rtts.len() - 1)];
-        println!(
-            "ping-pong: {iterations} round trips of {size} B on {device}: median {:.1} µs, p99 {:.1} µs (one way ≈ {:.1} µs); {}",
-            median.as_secs_f64() * 1e6,
-            p99.as_secs_f64() * 1e6,
-            median.as_secs_f64() * 1e6 / 2.0,
-            common::conditions(wait)
-        );
+        report("SEND", iterations, size, device, rtts, wait);
     }
     Ok(())
+}
+
+/// Where this side's messages land in the peer's region.
+#[derive(Clone, Copy)]
+struct Remote {
+    addr: u64,
+    rkey: u32,
+}
+
+/// The `--write` rounds: round `i` is the number `i + 1` in a message's last 8 bytes; ping
+/// writes it and times until pong's copy of it lands back in ping's memory.
+fn write_rounds(
+    role: &str,
+    iterations: u64,
+    size: u32,
+    (region, buffer, ring): (u64, &RegionMapping, &mut QueuePairRing),
+    wait: Wait,
+    peer: Remote,
+) -> Result<Vec<Duration>, Box<dyn std::error::Error>> {
+    let (send_at, recv_at) = (0u64, 2048u64);
+    let mark = |at: u64| (at + u64::from(size) - 8) as usize;
+    let arrived = |round: u64| -> Result<(), Box<dyn std::error::Error>> {
+        let deadline = Instant::now() + Duration::from_secs(30);
+        let mut seen = [0u8; 8];
+        loop {
+            buffer.read(mark(recv_at), &mut seen)?;
+            if u64::from_le_bytes(seen) == round {
+                return Ok(());
+            }
+            if Instant::now() > deadline {
+                return Err(format!("round {round}: nothing arrived within 30 s").into());
+            }
+            // The write comes through the daemon's worker, which may need this CPU.
+            std::thread::yield_now();
+        }
+    };
+    let mut rtts = Vec::with_capacity(iterations as usize);
+    for i in 1..=iterations {
+        if role == "pong" {
+            arrived(i)?;
+        }
+        buffer.write(mark(send_at), &i.to_le_bytes())?;
+        let start = Instant::now();
+        let write = Submission {
+            remote_addr: peer.addr,
+            rkey: peer.rkey,
+            ..request(Opcode::Write, i, region, send_at, size)
+        };
+        submit(ring, &write)?;
+        if role == "ping" {
+            arrived(i)?;
+            rtts.push(start.elapsed());
+        }
+        complete(ring, wait, &[i])?;
+    }
+    Ok(rtts)
+}
+
+fn report(
+    what: &str,
+    iterations: u64,
+    size: u32,
+    device: &str,
+    mut rtts: Vec<Duration>,
+    wait: Wait,
+) {
+    rtts.sort();
+    let median = rtts[rtts.len() / 2];
+    let p99 = rtts[(rtts.len() * 99 / 100).min(rtts.len() - 1)];
+    println!(
+        "ping-pong: {iterations} {what} round trips of {size} B on {device}: median {:.1} µs, p99 {:.1} µs (one way ≈ {:.1} µs); {}",
+        median.as_secs_f64() * 1e6,
+        p99.as_secs_f64() * 1e6,
+        median.as_secs_f64() * 1e6 / 2.0,
+        common::conditions(wait)
+    );
 }
