@@ -224,6 +224,8 @@ mod bodies {
             attacker.ok(&format!("touch {n} 90"));
             attacker.ok(&format!("free {n}"));
         }
+        // Reading the quota waits for the releases behind the frees' replies.
+        let quota = attacker.ok(&format!("quota {NOBODY}"));
         let after = host_shmem();
         let grown = after.saturating_sub(before);
         assert!(
@@ -243,7 +245,6 @@ mod bodies {
             );
         }
         assert_eq!(attacker.ok("read 1 0 8"), "\0".repeat(8));
-        let quota = attacker.ok(&format!("quota {NOBODY}"));
         let charged = quota
             .as_array()
             .expect("a list")

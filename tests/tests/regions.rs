@@ -18,6 +18,8 @@ rdmad::on_both_providers!(async
     quota_refusal_names_limit_use_and_key / rxe_quota_refusal_names_limit_use_and_key,
     concurrent_requests_from_one_uid_never_overshoot
         / rxe_concurrent_requests_from_one_uid_never_overshoot,
+    an_allocation_right_after_a_free_gets_its_room
+        / rxe_an_allocation_right_after_a_free_gets_its_room,
     sigkill_releases_everything_within_a_second / rxe_sigkill_releases_everything_within_a_second,
     authorization_matrix / rxe_authorization_matrix,
     rdmactl_shows_and_controls_sessions_regions_and_keys
@@ -87,8 +89,8 @@ mod bodies {
     }
 
     /// A freed region's fd, kept by its first owner, never shows the next owner's data (nor
-    /// its own any more: the pages went back at the free), and every new region reads as
-    /// zero.
+    /// its own once the free's release is done: the pages went back), and every new region
+    /// reads as zero.
     pub async fn kept_descriptor_never_sees_the_next_owner(provider: &str) {
         let (bus, _d) = start_on(provider, &format!("{COLD}[[pool]]\nname = \"warm\"\ncapacity = \"1MiB\"\nsize_classes = [\"4KiB\"]\nwarm = 4\n")).await;
         let mut alice = Client::start(&bus, Some(NOBODY));
@@ -102,6 +104,16 @@ mod bodies {
         alice.ok("write 1 0 alice-secret-warm");
         alice.ok("free 0");
         alice.ok("free 1");
+        // Free answers before the release; once it is done (reading the quota waits for
+        // it), the pages are gone. Before, the kept mappings may still show alice's own
+        // bytes, never anyone else's.
+        let quota = alice.ok("quota 65534");
+        let regions = quota
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|q| q["name"] == "regions");
+        assert_eq!(regions.unwrap()["used"], 0, "{quota}");
         for n in 0..16 {
             let pool = if n % 2 == 0 { "cold" } else { "warm" };
             bob.ok(&format!("alloc {pool} 4096"));
@@ -240,6 +252,49 @@ mod bodies {
             (Some(2), Some(2))
         );
         assert_eq!(regions["source"], "quota.default.regions");
+    }
+
+    /// `Free` answers before the region's memory is released, yet the room it frees is
+    /// there for the next call: at a quota of one region, in a pool with room for one,
+    /// touched 16 MiB regions (slow to release) are allocated and freed back to back, and
+    /// every allocation succeeds. Afterwards the quota and the pool show one region.
+    pub async fn an_allocation_right_after_a_free_gets_its_room(provider: &str) {
+        let (bus, _d) = start_on(
+            provider,
+            "[[pool]]\nname = \"one\"\ncapacity = \"16MiB\"\nsize_classes = [\"16MiB\"]\n\
+             [quota.default]\nregions = 1\nregistered_bytes = \"16MiB\"\n",
+        )
+        .await;
+        let mut alice = Client::start(&bus, Some(NOBODY));
+        alice.ok("open");
+        let cycles = if provider == "verbs" { 6 } else { 20 };
+        for n in 0..cycles {
+            alice.ok(&format!("alloc one {}", 16 << 20));
+            alice.ok(&format!("touch {n} 7"));
+            alice.ok(&format!("free {n}"));
+        }
+        alice.ok(&format!("alloc one {}", 16 << 20));
+        let quota = alice.ok("quota 65534");
+        let used = |name: &str| {
+            quota
+                .as_array()
+                .unwrap()
+                .iter()
+                .find(|q| q["name"] == name)
+                .unwrap()["used"]
+                .as_u64()
+        };
+        assert_eq!(
+            (used("regions"), used("registered_bytes")),
+            (Some(1), Some(16 << 20)),
+            "{quota}"
+        );
+        let pools = alice.ok("pools");
+        let one = &pools.as_array().unwrap()[0];
+        assert_eq!(
+            (one["used"].as_u64(), one["regions"].as_u64()),
+            (Some(16 << 20), Some(1))
+        );
     }
 
     /// 64 requests racing for 10 regions: exactly 10 succeed.

@@ -33,6 +33,15 @@ pub async fn blocking<T: Send + 'static>(
         .map_err(|e| Error::DeviceError(format!("internal error: {e}")))
 }
 
+/// Waits, off the executor, for regions freed before this call to be released, so that
+/// counts, quota use and pool use read next no longer include them (`Engine::settled`).
+pub async fn settled(engine: &Arc<Engine>) {
+    if engine.releases_pending() {
+        // A failed join only means the wait was cut short; the read goes on.
+        let _ = blocking(engine, |e| e.settled()).await;
+    }
+}
+
 pub struct Context {
     pub engine: Arc<Engine>,
     pub callers: CallerCache,

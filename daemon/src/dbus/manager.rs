@@ -13,7 +13,7 @@ use zbus::object_server::ObjectServer;
 use zbus::zvariant::{OwnedObjectPath, OwnedValue};
 use zbus::{interface, Connection};
 
-use super::context::Context;
+use super::context::{settled, Context};
 use super::options::Options;
 use super::wire;
 use crate::engine::KeyId;
@@ -146,6 +146,7 @@ impl Manager {
     }
 
     async fn list_pools(&self) -> Vec<PoolInfo> {
+        settled(&self.ctx.engine).await;
         self.ctx
             .engine
             .pool_snapshots()
@@ -163,6 +164,7 @@ impl Manager {
     ) -> Result<Vec<QuotaEntry>, Error> {
         let caller = self.ctx.caller(connection, &header).await?;
         let limits = policy::limits_of(&caller, &self.ctx.config(), uid)?;
+        settled(&self.ctx.engine).await;
         let lines = self.ctx.engine.quota(&limits);
         Ok(lines
             .into_iter()
@@ -222,6 +224,7 @@ impl Manager {
     /// Open sessions (of all users).
     #[zbus(property(emits_changed_signal = "false"), name = "NSessions")]
     async fn n_sessions(&self) -> u32 {
+        settled(&self.ctx.engine).await;
         u32::try_from(self.ctx.engine.counts().sessions).unwrap_or(u32::MAX)
     }
 
@@ -232,6 +235,7 @@ impl Manager {
     /// Tests and operators use it to see that everything is released.
     #[zbus(property(emits_changed_signal = "false"))]
     async fn object_counts(&self) -> HashMap<String, u64> {
+        settled(&self.ctx.engine).await;
         let engine = &self.ctx.engine;
         let counts = engine.counts();
         let p = engine.provider_counts();
@@ -261,6 +265,7 @@ impl Manager {
     /// Allocated regions (of all users).
     #[zbus(property(emits_changed_signal = "false"), name = "NRegions")]
     async fn n_regions(&self) -> u32 {
+        settled(&self.ctx.engine).await;
         u32::try_from(self.ctx.engine.counts().regions).unwrap_or(u32::MAX)
     }
 }

@@ -4,6 +4,7 @@ use std::sync::Arc;
 
 use zbus::interface;
 
+use super::context::settled;
 use crate::engine::{Engine, PoolSnapshot};
 
 pub struct PoolObject {
@@ -56,23 +57,27 @@ impl PoolObject {
     /// Bytes of regions handed out.
     #[zbus(property(emits_changed_signal = "false"))]
     async fn used(&self) -> zbus::fdo::Result<u64> {
+        settled(&self.engine).await;
         Ok(self.snapshot()?.stats.used)
     }
 
     /// Bytes neither handed out nor warm.
     #[zbus(property(emits_changed_signal = "false"))]
     async fn free(&self) -> zbus::fdo::Result<u64> {
+        settled(&self.engine).await;
         Ok(self.snapshot()?.stats.free)
     }
 
     #[zbus(property(emits_changed_signal = "false"), name = "NRegions")]
     async fn n_regions(&self) -> zbus::fdo::Result<u64> {
+        settled(&self.engine).await;
         Ok(self.snapshot()?.stats.regions)
     }
 
     /// Fresh registered regions ready to hand out.
     #[zbus(property(emits_changed_signal = "false"))]
     async fn warm_regions(&self) -> zbus::fdo::Result<u64> {
+        settled(&self.engine).await;
         Ok(self.snapshot()?.stats.warm_regions)
     }
 }

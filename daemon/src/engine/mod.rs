@@ -12,6 +12,7 @@ mod pool;
 mod qp;
 mod queue_pairs;
 mod registry;
+mod releaser;
 mod sessions;
 mod snapshots;
 mod tenancy;
@@ -58,7 +59,9 @@ use registry::Registry;
 #[derive(Debug)]
 pub struct Engine {
     /// Sessions, regions, keys and queue pairs.
-    registry: Registry,
+    registry: Arc<Registry>,
+    /// Deregisters and unmaps freed regions behind `Free`'s reply.
+    releaser: releaser::Releaser,
     /// One data-path worker per device, by device name.
     /// The data-path workers; each QP is served by one (`QueuePairRecord::worker`).
     workers: Vec<datapath::worker::Worker>,
@@ -101,7 +104,12 @@ impl Engine {
         let refill_thread = pool::spawn_refill_thread(pools.clone(), Arc::clone(&refill))
             .map_err(|e| EngineError::os("cannot start the refill thread", e))?;
         refill.poke();
-        let registry = Registry::default();
+        let registry = Arc::new(Registry::default());
+        let releaser = releaser::Releaser::spawn(
+            Arc::clone(&registry),
+            devices.iter().map(|d| Arc::clone(&d.device)).collect(),
+        )
+        .map_err(|e| EngineError::os("cannot start the release thread", e))?;
         let spin = std::time::Duration::from_micros(u64::from(config.daemon.worker_spin_us));
         let workers = (0..config.daemon.worker_count())
             .map(|i| datapath::worker::Worker::spawn(i, spin))
@@ -109,6 +117,7 @@ impl Engine {
             .map_err(|e| EngineError::os("cannot start a data-path worker", e))?;
         let engine = Engine {
             registry,
+            releaser,
             workers,
             pools,
             refill,
@@ -256,7 +265,13 @@ impl Engine {
     fn release(&self, teardown: registry::Teardown<'_>) -> Removed {
         let registry::Teardown {
             removed,
-            garbage: registry::Garbage { windows, qps, mrs },
+            garbage:
+                registry::Garbage {
+                    windows,
+                    qps,
+                    mrs,
+                    settlements,
+                },
             releasing,
         } = teardown;
         drop(windows);
@@ -267,9 +282,48 @@ impl Engine {
         }
         drop(qps);
         drop(mrs);
+        self.registry.settle(settlements);
         self.retry_lingering();
         drop(releasing);
         removed
+    }
+
+    /// Releases a teardown that removed regions only: windows now (no peer may reach the
+    /// memory once this returns), the registrations and memory on the release thread, and
+    /// the quota and pool use they hold after that.
+    fn release_later(&self, teardown: registry::Teardown<'_>) -> Removed {
+        if !teardown.removed.qps.is_empty() || !teardown.removed.sessions.is_empty() {
+            return self.release(teardown);
+        }
+        let registry::Teardown {
+            removed,
+            garbage:
+                registry::Garbage {
+                    windows,
+                    qps,
+                    mrs,
+                    settlements,
+                },
+            releasing,
+        } = teardown;
+        drop(windows);
+        drop(qps);
+        self.releaser
+            .release(releaser::Deferred { mrs, settlements });
+        drop(releasing);
+        removed
+    }
+
+    /// Waits until the releases of regions freed before this call are done, so that counts,
+    /// quota use and pool use read after it no longer include them. It may block for as
+    /// long as those deregistrations take: call it off the bus's executor.
+    pub fn settled(&self) {
+        self.releaser.settled();
+    }
+
+    /// Whether freed regions are still being released (when [`Engine::settled`] would wait).
+    pub fn releases_pending(&self) -> bool {
+        self.releaser.pending()
     }
 
     /// Provider objects alive on all devices (the daemon's own PDs included).
@@ -316,6 +370,7 @@ impl Engine {
     /// failures on drop and never stop the teardown, so nothing is left behind.
     pub fn shutdown(self) {
         let removed = self.close_all();
+        self.releaser.stop();
         if !removed.sessions.is_empty() {
             tracing::info!(
                 sessions = removed.sessions.len(),

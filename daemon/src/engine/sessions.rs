@@ -58,14 +58,28 @@ impl Engine {
         size: u64,
     ) -> Result<Handout, EngineError> {
         let pool = self.pool(pool)?;
-        self.registry
+        match self
+            .registry
             .allocate(owner, limits, pools, session, pool, size)
+        {
+            // Memory on its way out still counts: wait for it, then try once more.
+            Err(EngineError::Quota(_) | EngineError::Pool(PoolError::Exhausted { .. }))
+                if self.releaser.pending() =>
+            {
+                self.settled();
+                self.registry
+                    .allocate(owner, limits, pools, session, pool, size)
+            }
+            result => result,
+        }
     }
 
-    /// Frees region `id` (`owner`'s connection's); returns what was removed.
+    /// Frees region `id` (`owner`'s connection's); returns what was removed. Returns once
+    /// nothing can reach the region any more; its registration and memory are released
+    /// behind the return (see `releaser`).
     pub fn free(&self, owner: &Owner, id: RegionId) -> Result<Removed, EngineError> {
         let teardown = self.registry.free(owner, id)?;
-        Ok(self.release(teardown))
+        Ok(self.release_later(teardown))
     }
 
     /// Creates an access key for region `id` (`owner`'s connection's), within `limits`;

@@ -169,6 +169,16 @@ pub struct Garbage {
     pub windows: Vec<TakenWindow>,
     pub qps: Vec<Arc<QueuePairRecord>>,
     pub mrs: Vec<Arc<dyn MemoryRegion>>,
+    /// Given back once `mrs` are gone: [`Registry::settle`].
+    pub settlements: Vec<Settlement>,
+}
+
+/// What a removed region still holds until its registration and memory are gone: one
+/// region and its bytes of its owner's quota, and its bytes of its pool.
+pub struct Settlement {
+    uid: u32,
+    size: u64,
+    pool: Arc<Pool>,
 }
 
 /// What a teardown took out of the registry: what it removed, for the D-Bus layer, and
@@ -204,6 +214,7 @@ impl Garbage {
         self.windows.extend(other.windows);
         self.qps.extend(other.qps);
         self.mrs.extend(other.mrs);
+        self.settlements.extend(other.settlements);
     }
 
     /// Takes every window out of queue pair `qp` (being removed) and out of its regions'
@@ -336,6 +347,18 @@ impl Registry {
         }
         Self::forget_idle_user(&mut s, limits.uid);
         checked.map_err(EngineError::from)
+    }
+
+    /// Gives back what removed regions held of quotas and pools, now that their
+    /// registrations and memory are gone.
+    pub fn settle(&self, settlements: Vec<Settlement>) {
+        for Settlement { uid, size, pool } in settlements {
+            self.unreserve(
+                uid,
+                &[(QuotaKind::Regions, 1), (QuotaKind::RegisteredBytes, size)],
+            );
+            pool.release(size);
+        }
     }
 
     /// Gives back use reserved for a creation that failed.

@@ -34,15 +34,17 @@ impl Registry {
         }
         Self::refresh_rights(s, region.session);
         let size = region.size();
+        // Keys and windows are gone now; the region's bytes count until its memory is.
         if let Some(usage) = s.usage.get_mut(&region.owner_uid) {
-            usage.sub(QuotaKind::Regions, 1);
-            usage.sub(QuotaKind::RegisteredBytes, size);
             usage.sub(QuotaKind::Keys, region.keys.len() as u64);
             usage.sub(QuotaKind::Exports, region.exports.len() as u64);
         }
-        region.pool.release(size);
-        Self::forget_idle_user(s, region.owner_uid);
         garbage.mrs.push(region.mr);
+        garbage.settlements.push(Settlement {
+            uid: region.owner_uid,
+            size,
+            pool: region.pool,
+        });
         Some(garbage)
     }
 

@@ -128,8 +128,12 @@ impl<'e> Tenant<'e> {
         self.engine.close_session(&self.owner, self.scope, id)
     }
 
+    /// Frees `region` and waits for its release behind the return, as every reader of
+    /// counts does.
     fn free(&self, region: RegionId) -> Result<Removed, EngineError> {
-        self.engine.free(&self.owner, region)
+        let removed = self.engine.free(&self.owner, region);
+        self.engine.settled();
+        removed
     }
 
     /// A queue pair of `session` on loopback0, with the default options.
@@ -245,3 +249,57 @@ const POOL: &str = "[[pool]]\nname = \"p\"\ncapacity = \"64MiB\"\n\
 /// Without warm regions nothing happens in the background, so counts are exact.
 const COLD_POOL: &str = "[[pool]]\nname = \"p\"\ncapacity = \"64MiB\"\n\
                          size_classes = [\"4KiB\", \"1MiB\"]\n";
+
+/// `Free` returns while the region's registration is still being released (here the
+/// release thread is held by a slow deregistration queued before it), and the quota and
+/// the pool count the region until the release is done; an allocation that only this
+/// not-yet-released memory refuses waits for it and succeeds, on both the quota and the
+/// pool's capacity.
+#[test]
+fn free_returns_before_the_release_and_the_next_allocation_waits_for_it() {
+    use crate::engine::releaser::{testing::slow_mr, Deferred};
+    let engine = Arc::new(engine_on(
+        ProviderChoice::Loopback,
+        "[[pool]]\nname = \"p\"\ncapacity = \"1MiB\"\nsize_classes = [\"1MiB\"]\n\
+         [quota.default]\nregions = 1\n",
+    ));
+    let pool = Arc::clone(engine.pool("p").unwrap());
+    let alice = Tenant::new(&engine, caller(1000, ":1.1"));
+    let s = alice.open_session();
+    let allocate = |engine: &Engine| {
+        engine.allocate(&alice.owner, &alice.limits, &alice.pools, s, "p", 1 << 20)
+    };
+    let first = allocate(&engine).unwrap();
+    let (slow, go, dropped) = slow_mr();
+    engine.releaser.release(Deferred {
+        mrs: vec![slow],
+        settlements: Vec::new(),
+    });
+    engine.free(&alice.owner, first.region).unwrap();
+    assert!(engine.releases_pending());
+    assert_eq!(pool.stats().used, 1 << 20, "counted until it is released");
+    assert!(
+        alice.session(s).unwrap().regions.is_empty(),
+        "but out of the session at once"
+    );
+
+    let refused = alice.allocate(s, &pool, 1 << 20).unwrap_err();
+    assert!(matches!(refused, EngineError::Quota(_)), "{refused}");
+
+    std::thread::scope(|scope| {
+        let second = scope.spawn(|| allocate(&engine));
+        // It waits for the release (or, if it did not, has already answered).
+        while engine.releaser.waiting() == 0 && !second.is_finished() {
+            std::thread::yield_now();
+        }
+        go.send(()).unwrap();
+        let second = second
+            .join()
+            .unwrap()
+            .expect("the freed room is given to it");
+        assert_ne!(second.region, first.region);
+    });
+    assert!(dropped.try_recv().is_ok());
+    assert_eq!(pool.stats().used, 1 << 20, "one region, the second");
+    assert!(!engine.releases_pending());
+}

@@ -1,0 +1,290 @@
+//! Releases behind the reply: `Region.Free` answers once the region is out of the registry
+//! (its keys, attachments, rights and windows gone, so nothing can reach it any more) and
+//! leaves its deregistration and unmapping to the releaser thread. What the region held of
+//! its owner's quota and of its pool ([`Settlement`]) is given back only after that, when
+//! the memory is really gone.
+//!
+//! Whoever reads counts, quota or pool use waits first for the releases queued before the
+//! read ([`Releaser::settled`]): a client that frees and then looks sees the freed memory
+//! gone. An allocation that a quota or a full pool would refuse while releases are queued
+//! waits for them and tries once more, so freeing and then allocating never fails for
+//! memory that is on its way out.
+
+use std::collections::VecDeque;
+use std::sync::{Arc, Condvar, Mutex};
+use std::time::{Duration, Instant};
+
+use super::registry::{Registry, Settlement};
+use crate::lock::lock;
+use crate::provider::{Device, MemoryRegion};
+
+/// How long a reader waits for queued releases before it reads anyway (and says so).
+const SETTLE_WAIT: Duration = Duration::from_secs(30);
+
+/// Registrations to drop, and what they hold of quotas and pools, given back after.
+pub(super) struct Deferred {
+    pub mrs: Vec<Arc<dyn MemoryRegion>>,
+    pub settlements: Vec<Settlement>,
+}
+
+#[derive(Default)]
+struct Queue {
+    work: VecDeque<Deferred>,
+    /// Releases queued so far, and of those, done: a ticket is done when `done` passed it.
+    queued: u64,
+    done: u64,
+    stop: bool,
+    /// Callers of `settled` waiting now.
+    waiting: usize,
+}
+
+/// The release thread and its queue; dropping it finishes the queue and stops the thread.
+pub(super) struct Releaser {
+    shared: Arc<Shared>,
+    thread: Mutex<Option<std::thread::JoinHandle<()>>>,
+}
+
+struct Shared {
+    queue: Mutex<Queue>,
+    /// The thread waits on it for work.
+    wake: Condvar,
+    /// Readers wait on it for `done` to pass their ticket.
+    settled: Condvar,
+}
+
+impl std::fmt::Debug for Releaser {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let q = lock(&self.shared.queue);
+        f.debug_struct("Releaser")
+            .field("queued", &q.queued)
+            .field("done", &q.done)
+            .finish()
+    }
+}
+
+impl Drop for Releaser {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}
+
+impl Releaser {
+    /// Starts the release thread, which settles through `registry` and, after every
+    /// release, retries what `devices` refused to destroy.
+    pub fn spawn(
+        registry: Arc<Registry>,
+        devices: Vec<Arc<dyn Device>>,
+    ) -> std::io::Result<Releaser> {
+        let shared = Arc::new(Shared {
+            queue: Mutex::new(Queue::default()),
+            wake: Condvar::new(),
+            settled: Condvar::new(),
+        });
+        let theirs = Arc::clone(&shared);
+        let thread = std::thread::Builder::new()
+            .name("rdmad-release".into())
+            .spawn(move || theirs.run(&registry, &devices))?;
+        Ok(Releaser {
+            shared,
+            thread: Mutex::new(Some(thread)),
+        })
+    }
+
+    /// Queues `deferred`; returns at once.
+    pub fn release(&self, deferred: Deferred) {
+        let mut q = lock(&self.shared.queue);
+        q.work.push_back(deferred);
+        q.queued += 1;
+        drop(q);
+        self.shared.wake.notify_one();
+    }
+
+    /// Whether releases are queued or under way.
+    pub fn pending(&self) -> bool {
+        let q = lock(&self.shared.queue);
+        q.done < q.queued
+    }
+
+    /// Waits until every release queued before this call is done (at most [`SETTLE_WAIT`]).
+    /// Never call it holding the registry's lock: the releaser settles under it.
+    pub fn settled(&self) {
+        let deadline = Instant::now() + SETTLE_WAIT;
+        let mut q = lock(&self.shared.queue);
+        let ticket = q.queued;
+        q.waiting += 1;
+        while q.done < ticket && !q.stop {
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                tracing::warn!(
+                    queued = q.queued - q.done,
+                    "releases of freed regions are taking over {SETTLE_WAIT:?}: reading counts \
+                     that still include them"
+                );
+                break;
+            }
+            q = self
+                .shared
+                .settled
+                .wait_timeout(q, left)
+                .unwrap_or_else(std::sync::PoisonError::into_inner)
+                .0;
+        }
+        q.waiting -= 1;
+    }
+
+    /// How many callers wait in [`Releaser::settled`] now.
+    #[cfg(test)]
+    pub fn waiting(&self) -> usize {
+        lock(&self.shared.queue).waiting
+    }
+
+    /// Finishes what is queued and stops the thread (once; later calls do nothing).
+    pub fn stop(&self) {
+        lock(&self.shared.queue).stop = true;
+        self.shared.wake.notify_all();
+        if let Some(thread) = lock(&self.thread).take() {
+            if thread.join().is_err() {
+                tracing::error!("the release thread panicked");
+            }
+        }
+        self.shared.settled.notify_all();
+    }
+}
+
+impl Shared {
+    fn run(&self, registry: &Registry, devices: &[Arc<dyn Device>]) {
+        loop {
+            let next = {
+                let mut q = lock(&self.queue);
+                loop {
+                    if let Some(d) = q.work.pop_front() {
+                        break Some(d);
+                    }
+                    if q.stop {
+                        break None;
+                    }
+                    q = self
+                        .wake
+                        .wait(q)
+                        .unwrap_or_else(std::sync::PoisonError::into_inner);
+                }
+            };
+            let Some(Deferred { mrs, settlements }) = next else {
+                return;
+            };
+            drop(mrs);
+            for device in devices {
+                device.retry_lingering();
+            }
+            registry.settle(settlements);
+            lock(&self.queue).done += 1;
+            self.settled.notify_all();
+        }
+    }
+}
+
+/// A registration whose deregistration (its drop) takes until the test says so: it holds
+/// the release thread, as a slow device would.
+#[cfg(test)]
+pub(super) mod testing {
+    use std::any::Any;
+    use std::sync::mpsc;
+    use std::sync::{Arc, Mutex};
+
+    use crate::lock::lock;
+    use crate::memory::SharedMemory;
+    use crate::provider::{Access, MemoryRegion};
+
+    #[derive(Debug)]
+    struct SlowMr {
+        memory: Arc<SharedMemory>,
+        go: Mutex<mpsc::Receiver<()>>,
+        dropped: mpsc::Sender<()>,
+    }
+
+    impl MemoryRegion for SlowMr {
+        fn lkey(&self) -> u32 {
+            1
+        }
+        fn rkey(&self) -> u32 {
+            1
+        }
+        fn access(&self) -> Access {
+            Access::default()
+        }
+        fn memory(&self) -> &Arc<SharedMemory> {
+            &self.memory
+        }
+        fn as_any(&self) -> &dyn Any {
+            self
+        }
+    }
+
+    impl Drop for SlowMr {
+        fn drop(&mut self) {
+            let _ = lock(&self.go).recv();
+            let _ = self.dropped.send(());
+        }
+    }
+
+    /// The registration, the sender that lets its drop finish, and the receiver that hears
+    /// it finished.
+    pub fn slow_mr() -> (Arc<dyn MemoryRegion>, mpsc::Sender<()>, mpsc::Receiver<()>) {
+        let (go_tx, go_rx) = mpsc::channel();
+        let (dropped_tx, dropped_rx) = mpsc::channel();
+        let memory = SharedMemory::create(c"slow", 4096).unwrap();
+        let mr = Arc::new(SlowMr {
+            memory: Arc::new(memory),
+            go: Mutex::new(go_rx),
+            dropped: dropped_tx,
+        });
+        (mr, go_tx, dropped_rx)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::testing::slow_mr;
+    use super::*;
+
+    /// `release` returns while the deregistration is still under way; `settled` returns
+    /// only after it; a release queued after a `settled` began is not waited for.
+    #[test]
+    fn release_returns_before_the_deregistration_and_settled_waits_for_it() {
+        let releaser = Releaser::spawn(Arc::new(Registry::default()), Vec::new()).unwrap();
+        let (mr, go, dropped) = slow_mr();
+        releaser.release(Deferred {
+            mrs: vec![mr],
+            settlements: Vec::new(),
+        });
+        assert!(releaser.pending(), "the deregistration is held back");
+        assert!(dropped.try_recv().is_err());
+
+        let releaser = &releaser;
+        std::thread::scope(|s| {
+            let waiter = s.spawn(move || {
+                releaser.settled();
+                dropped.try_recv().is_ok()
+            });
+            go.send(()).unwrap();
+            assert!(waiter.join().unwrap(), "settled returned before the drop");
+        });
+        assert!(!releaser.pending());
+        releaser.stop();
+    }
+
+    /// Stopping finishes what is queued: nothing freed is left registered.
+    #[test]
+    fn stop_finishes_the_queue() {
+        let releaser = Releaser::spawn(Arc::new(Registry::default()), Vec::new()).unwrap();
+        let (mr, go, dropped) = slow_mr();
+        releaser.release(Deferred {
+            mrs: vec![mr],
+            settlements: Vec::new(),
+        });
+        go.send(()).unwrap();
+        releaser.stop();
+        assert!(dropped.try_recv().is_ok());
+        assert!(!releaser.pending());
+    }
+}
