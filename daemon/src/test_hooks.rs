@@ -8,7 +8,8 @@
 //!   waits for them (5 s), so that path runs. The daemon logs when the hold starts and
 //!   when it ends (`test hook: …`), so a test can wait for either.
 //! - `RDMAD_TEST_SLOW_DEVICE_MS=N`: every loopback registration and queue-pair creation
-//!   takes N ms more, as on a slow device.
+//!   takes N ms more, as on a slow device. The daemon logs when each such operation starts
+//!   to wait (`test hook: ibv_reg_mr takes …`) and when it is done (`… done`).
 
 #[cfg(debug_assertions)]
 use std::sync::OnceLock;
@@ -56,6 +57,7 @@ pub fn slow_device(operation: &str) {
     } {
         tracing::warn!("test hook: {operation} takes {delay:?}");
         std::thread::sleep(delay);
+        tracing::warn!("test hook: {operation} done");
     }
     #[cfg(not(debug_assertions))]
     let _ = operation;

@@ -227,7 +227,7 @@ fn rdmactl_without_a_bus_says_so() {
 /// Calls that wait on the device — registering memory, creating a queue pair — run off the
 /// threads that serve the bus: while two clients' calls each take seconds on a slow device
 /// (as many as the daemon has bus threads), a third client's calls are answered at once,
-/// before either of them.
+/// before either of them — a listing, and an allocation from a warm pool and its `Free`.
 #[tokio::test(flavor = "multi_thread")]
 async fn a_slow_device_call_never_delays_another_clients_call() {
     let bus = PrivateBus::start();
@@ -235,13 +235,27 @@ async fn a_slow_device_call_never_delays_another_clients_call() {
         &bus,
         DaemonOptions {
             config: "[[pool]]\nname = \"cold\"\ncapacity = \"1MiB\"\nsize_classes = [\"4KiB\"]\n\
-                     warm = 0\n"
+                     warm = 0\n\
+                     [[pool]]\nname = \"warm\"\ncapacity = \"1MiB\"\nsize_classes = [\"4KiB\"]\n\
+                     warm = 1\n"
                 .into(),
             env: vec![("RDMAD_TEST_SLOW_DEVICE_MS", "4000".into())],
             ..DaemonOptions::default()
         },
     )
     .await;
+    // The warm region is registered (slowly, too) before the slow calls start.
+    daemon.wait_for_log("test hook: ibv_reg_mr done", 1).await;
+    let mut quick = Client::start(&bus, Some(NOBODY));
+    quick.ok("open");
+    let warm_ready = |pools: serde_json::Value| {
+        pools
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|p| p["name"] == "warm" && p["warm_regions"] == 1)
+    };
+    while !warm_ready(quick.ok("pools")) {}
     let slow: Vec<Client> = ["alloc cold 4096", "qp loopback0 4 4"]
         .into_iter()
         .map(|command| {
@@ -252,8 +266,8 @@ async fn a_slow_device_call_never_delays_another_clients_call() {
         })
         .collect();
     // Both calls are waiting on the device now.
-    daemon.wait_for_log("test hook: ibv_reg_mr", 1).await;
-    daemon.wait_for_log("test hook: ibv_create_qp", 1).await;
+    daemon.wait_for_log("test hook: ibv_reg_mr takes", 2).await;
+    daemon.wait_for_log("test hook: ibv_create_qp takes", 1).await;
     let answered: Vec<_> = slow
         .into_iter()
         .map(|mut c| {
@@ -263,9 +277,9 @@ async fn a_slow_device_call_never_delays_another_clients_call() {
             })
         })
         .collect();
-    let mut quick = Client::start(&bus, Some(NOBODY));
-    quick.ok("open");
     quick.ok("sessions");
+    quick.ok("alloc warm 4096");
+    quick.ok("free 0");
     let quick_done = std::time::Instant::now();
     for thread in answered {
         let (answer, at, _client) = thread.join().unwrap();

@@ -4,6 +4,7 @@
 //! ```text
 //! rdmad-bench [regions] [OPTIONS]   a warm region against registering one's own memory
 //! rdmad-bench ring [OPTIONS]        the proxied data path against the device in-process
+//! rdmad-bench control [OPTIONS]     alloc+free per second with many clients, against GetId
 //! ```
 //!
 //! `rdmad-bench SUBCOMMAND --help` lists each one's options; docs/benchmarks.md has the
@@ -12,6 +13,7 @@
 use std::error::Error;
 use std::time::Duration;
 
+mod control;
 mod regions;
 mod ring;
 
@@ -24,6 +26,10 @@ async fn main() {
         Some("ring") => {
             args.next();
             ring::run(args).await
+        }
+        Some("control") => {
+            args.next();
+            control::run(args).await
         }
         Some("regions") => {
             args.next();

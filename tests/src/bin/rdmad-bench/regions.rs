@@ -16,6 +16,9 @@
 //! - **raw**: `ProtectionDomain::register` + drop (`ibv_reg_mr` + `ibv_dereg_mr` on verbs)
 //!   of a memfd mapping of that size, allocated once and pre-touched, with this process's
 //!   own device context and PD on the same device.
+//! - **fresh**: what a client without rdmad does for memory it has not touched yet: a new
+//!   memfd mapping of that size, a first write to every page, `ibv_reg_mr`, then
+//!   `ibv_dereg_mr` and unmapping, all timed.
 //!
 //! `--iterations N` (default 200) applies to sizes up to 1 MiB; 16 MiB runs N/4 and
 //! 64 MiB N/10 iterations (at least 5). Two untimed iterations precede every series.
@@ -239,6 +242,7 @@ struct Series {
     settled_free: Vec<Duration>,
     cold: Vec<Duration>,
     raw: Vec<Duration>,
+    fresh: Vec<Duration>,
     /// `GetId` and `Peer.Ping` once each per warm iteration, right before it.
     get_id: Vec<Duration>,
     ping: Vec<Duration>,
@@ -346,6 +350,26 @@ fn raw_series(pd: &dyn ProtectionDomain, size: u64, n: u32) -> Result<Vec<Durati
     Ok(samples)
 }
 
+/// Fresh memory each time: create and map, touch every page, register, deregister, unmap.
+fn fresh_series(pd: &dyn ProtectionDomain, size: u64, n: u32) -> Result<Vec<Duration>> {
+    let len = usize::try_from(size)?;
+    let mut samples = Vec::with_capacity(n as usize);
+    for i in 0..WARMUP + n {
+        let start = Instant::now();
+        let memory = SharedMemory::create(c"rdmad-bench-fresh", len)?;
+        for offset in (0..len).step_by(4096) {
+            memory.write_at(offset, &[1])?;
+        }
+        let mr = pd.register(Arc::new(memory), REGION_ACCESS)?;
+        // The registration holds the memory: dropping it deregisters, then unmaps.
+        drop(mr);
+        if i >= WARMUP {
+            samples.push(start.elapsed());
+        }
+    }
+    Ok(samples)
+}
+
 /// Runs the benchmark with the arguments after `regions`.
 pub async fn run(args: impl Iterator<Item = String>) -> Result<()> {
     let args = parse_args(args)?;
@@ -432,6 +456,7 @@ pub async fn run(args: impl Iterator<Item = String>) -> Result<()> {
             settled_free: Vec::new(),
             cold: Vec::new(),
             raw: Vec::new(),
+            fresh: Vec::new(),
             get_id: Vec::new(),
             ping: Vec::new(),
         };
@@ -471,6 +496,7 @@ pub async fn run(args: impl Iterator<Item = String>) -> Result<()> {
             }
         }
         series.raw = raw_series(pd.as_ref(), size, n)?;
+        series.fresh = fresh_series(pd.as_ref(), size, n)?;
         eprintln!(
             "rdmad-bench: {} done in {:.1} s",
             size_name(size),
@@ -489,27 +515,32 @@ pub async fn run(args: impl Iterator<Item = String>) -> Result<()> {
         ""
     };
     println!(
-        "| size | n | rdmad warm alloc+free |{cold_head} register+deregister | ratio raw/rdmad |"
+        "| size | n | rdmad warm alloc+free |{cold_head} pre-touched register+deregister \
+         | ÷ rdmad | fresh map+touch+register+deregister+unmap | ÷ rdmad |"
     );
     println!(
-        "|---|---:|---:|{}---:|---:|",
+        "|---|---:|---:|{}---:|---:|---:|---:|",
         if args.cold { "---:|" } else { "" }
     );
     for s in &results {
         let warm = stats(&s.warm);
         let raw = stats(&s.raw);
+        let fresh = stats(&s.fresh);
         let cold = if args.cold {
             format!(" {} |", cell(stats(&s.cold)))
         } else {
             String::new()
         };
+        let per = |x: Stats| ratio(x.median.as_secs_f64() / warm.median.as_secs_f64());
         println!(
-            "| {} | {} | {} |{cold} {} | {} |",
+            "| {} | {} | {} |{cold} {} | {} | {} | {} |",
             size_name(s.size),
             s.iterations,
             cell(warm),
             cell(raw),
-            ratio(raw.median.as_secs_f64() / warm.median.as_secs_f64())
+            per(raw),
+            cell(fresh),
+            per(fresh)
         );
     }
     println!();
