@@ -72,6 +72,19 @@ pub enum Object {
         #[command(subcommand)]
         command: Option<KeyCommand>,
     },
+    /// Run an unmodified verbs program through rdmad: the libibverbs it loads is rdmad's,
+    /// so its devices, protection domains and memory are rdmad's, within your quotas.
+    #[command(
+        after_help = "rdmactl exec puts the directory of rdmad's libibverbs.so.1 first on \
+                      LD_LIBRARY_PATH (and passes --bus on as RDMAD_BUS_ADDRESS), then runs \
+                      PROGRAM in its place. A service does the same with \
+                      Environment=LD_LIBRARY_PATH=/usr/lib/rdmad/verbs."
+    )]
+    Exec {
+        /// The program and its arguments, e.g. `rdmactl exec -- ibv_devinfo -v`.
+        #[arg(required = true, trailing_var_arg = true, allow_hyphen_values = true)]
+        command: Vec<std::ffi::OsString>,
+    },
 }
 
 #[derive(Debug, Subcommand)]

@@ -22,6 +22,7 @@ pub async fn run(cli: &Cli) -> anyhow::Result<()> {
         .map_err(|e| anyhow!("cannot connect to the {} bus: {e}", cli.bus))?;
     let result = match &cli.object {
         Object::Status => status(&connection).await.map(|v| printer.print(&v)),
+        Object::Exec { .. } => unreachable!("main runs exec before connecting"),
         Object::Dev { command } => {
             let name = match command {
                 None | Some(DevCommand::Show { name: None }) => None,

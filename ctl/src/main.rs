@@ -2,6 +2,7 @@
 
 mod cli;
 mod commands;
+mod exec;
 mod output;
 
 use clap::{CommandFactory, Parser};
@@ -27,6 +28,10 @@ fn main() -> std::process::ExitCode {
         return std::process::ExitCode::SUCCESS;
     }
     let cli = cli::Cli::parse();
+    if let cli::Object::Exec { command } = &cli.object {
+        // Only returns if the program could not be run.
+        return exec::exec(&cli.bus, command);
+    }
     let runtime = match tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()

@@ -267,7 +267,9 @@ async fn a_slow_device_call_never_delays_another_clients_call() {
         .collect();
     // Both calls are waiting on the device now.
     daemon.wait_for_log("test hook: ibv_reg_mr takes", 2).await;
-    daemon.wait_for_log("test hook: ibv_create_qp takes", 1).await;
+    daemon
+        .wait_for_log("test hook: ibv_create_qp takes", 1)
+        .await;
     let answered: Vec<_> = slow
         .into_iter()
         .map(|mut c| {

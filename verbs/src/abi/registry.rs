@@ -1,0 +1,171 @@
+//! What the library made and has not freed, so that a pointer a program passes is used
+//! only if it is one of ours: devices (made once per process and never freed, as
+//! libibverbs keeps them), contexts and protection domains.
+
+use std::collections::HashSet;
+use std::sync::{Mutex, MutexGuard};
+
+use super::sys;
+use crate::backend::DeviceInfo;
+
+/// A device as a program sees it. `raw` comes first, so a `*mut ibv_device` is a
+/// `*mut Device`.
+#[repr(C)]
+pub struct Device {
+    pub raw: sys::ibv_device,
+    /// Zeroed room standing for the rest of rdma-core's `struct verbs_device` (its provider
+    /// ops pointer first): provider libraries linked into a program (libmlx5, libefa) read
+    /// it to tell whether a device is theirs, and a null ops pointer says it is not.
+    verbs_device_tail: [usize; 16],
+    pub info: Mutex<DeviceInfo>,
+}
+
+/// An open device: the context a program holds, and the rdmad session behind it.
+#[repr(C)]
+pub struct Context {
+    pub raw: sys::ibv_context,
+    pub device: &'static Device,
+    pub info: DeviceInfo,
+    pub session: zbus::zvariant::OwnedObjectPath,
+    /// The write end of the pipe whose read end is `raw.async_fd`: async events are
+    /// written here.
+    pub async_events: std::os::fd::OwnedFd,
+    pub async_read: std::os::fd::OwnedFd,
+}
+
+#[repr(C)]
+pub struct Pd {
+    pub raw: sys::ibv_pd,
+}
+
+#[repr(C)]
+pub struct CompChannel {
+    pub raw: sys::ibv_comp_channel,
+    pub read: std::os::fd::OwnedFd,
+    pub write: std::os::fd::OwnedFd,
+}
+
+// SAFETY: a device's raw structure holds no pointers the library follows (only names and
+// the never-called legacy ops, all null); its info is behind a mutex. Devices are never
+// freed, so sharing references across threads is sound.
+unsafe impl Sync for Device {}
+// SAFETY: as for `Sync`: nothing in a device is tied to the thread that made it.
+unsafe impl Send for Device {}
+
+/// Live objects by address.
+#[derive(Default)]
+struct Live {
+    devices: Vec<&'static Device>,
+    contexts: HashSet<usize>,
+    pds: HashSet<usize>,
+    channels: HashSet<usize>,
+}
+
+static LIVE: Mutex<Option<Live>> = Mutex::new(None);
+
+fn live() -> MutexGuard<'static, Option<Live>> {
+    LIVE.lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+fn with<T>(f: impl FnOnce(&mut Live) -> T) -> T {
+    let mut guard = live();
+    f(guard.get_or_insert_with(Live::default))
+}
+
+fn copy_name(dst: &mut [std::ffi::c_char], src: &str) {
+    dst.fill(0);
+    let room = dst.len() - 1;
+    for (d, s) in dst.iter_mut().zip(src.bytes().take(room)) {
+        *d = s as std::ffi::c_char;
+    }
+}
+
+/// The device for `info.name`, made on first sight and updated with `info` after.
+pub fn device(info: DeviceInfo) -> &'static Device {
+    with(|live| {
+        if let Some(d) = live
+            .devices
+            .iter()
+            .find(|d| lock(&d.info).name == info.name)
+        {
+            *lock(&d.info) = info;
+            return *d;
+        }
+        let mut raw = sys::ibv_device {
+            node_type: sys::ibv_node_type_IBV_NODE_CA,
+            transport_type: sys::ibv_transport_type_IBV_TRANSPORT_IB,
+            ..Default::default()
+        };
+        copy_name(&mut raw.name, &info.name);
+        copy_name(&mut raw.dev_name, &format!("rdmad-{}", info.name));
+        if info.provider == "verbs" {
+            // Where the kernel device's attributes are (ibv_devinfo reads board_id there).
+            copy_name(
+                &mut raw.ibdev_path,
+                &format!("/sys/class/infiniband/{}", info.name),
+            );
+        }
+        let device: &'static Device = Box::leak(Box::new(Device {
+            raw,
+            verbs_device_tail: [0; 16],
+            info: Mutex::new(info),
+        }));
+        live.devices.push(device);
+        device
+    })
+}
+
+/// The device behind a pointer a program passed, if it is one of ours.
+pub fn find_device(ptr: *const sys::ibv_device) -> Option<&'static Device> {
+    with(|live| {
+        live.devices
+            .iter()
+            .find(|d| std::ptr::eq(&d.raw, ptr))
+            .copied()
+    })
+}
+
+pub fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+/// Records a live object of one kind.
+pub fn add_context(ptr: *mut Context) {
+    with(|live| live.contexts.insert(ptr as usize));
+}
+pub fn is_context(ptr: *const sys::ibv_context) -> bool {
+    with(|live| live.contexts.contains(&(ptr as usize)))
+}
+/// Forgets a context; false if it was not live (a double close, a stranger's pointer).
+pub fn remove_context(ptr: *const sys::ibv_context) -> bool {
+    with(|live| live.contexts.remove(&(ptr as usize)))
+}
+/// Whether any live PD or channel still belongs to the context.
+pub fn context_in_use(ctx: *const sys::ibv_context) -> bool {
+    with(|live| {
+        live.pds
+            .iter()
+            .chain(live.channels.iter())
+            // Both kinds start with their context pointer.
+            .any(|&p| {
+                // SAFETY: every address in `pds` and `channels` is a live `Pd` or
+                // `CompChannel` (removed before it is freed); both begin with their
+                // context pointer.
+                let owner = unsafe { *(p as *const *const sys::ibv_context) };
+                std::ptr::eq(owner, ctx)
+            })
+    })
+}
+pub fn add_pd(ptr: *mut Pd) {
+    with(|live| live.pds.insert(ptr as usize));
+}
+pub fn remove_pd(ptr: *const sys::ibv_pd) -> bool {
+    with(|live| live.pds.remove(&(ptr as usize)))
+}
+pub fn add_channel(ptr: *mut CompChannel) {
+    with(|live| live.channels.insert(ptr as usize));
+}
+pub fn remove_channel(ptr: *const sys::ibv_comp_channel) -> bool {
+    with(|live| live.channels.remove(&(ptr as usize)))
+}

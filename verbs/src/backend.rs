@@ -1,0 +1,183 @@
+//! The library's connection to rdmad: one bus connection per process, opened on first use
+//! on the bus `RDMAD_BUS_ADDRESS` names (else the system bus), driven by a one-thread
+//! runtime the library owns. The verbs calls are synchronous, so each one blocks the
+//! calling thread on its bus call ([`Backend::block_on`]).
+
+use std::sync::OnceLock;
+
+use rdmad_client::proxy::{DeviceProxy, ManagerProxy, SessionProxy};
+use rdmad_client::{Capabilities, GidEntry, PortInfo};
+use zbus::zvariant::OwnedObjectPath;
+
+/// What the library knows of one device rdmad serves.
+#[derive(Debug, Clone)]
+pub struct DeviceInfo {
+    pub name: String,
+    /// `verbs` or `loopback`.
+    pub provider: String,
+    /// Node GUID in host order.
+    pub node_guid: u64,
+    pub firmware_version: String,
+    pub ports: Vec<PortInfo>,
+    pub gids: Vec<GidEntry>,
+    pub capabilities: Capabilities,
+}
+
+pub struct Backend {
+    runtime: tokio::runtime::Runtime,
+    connection: zbus::Connection,
+}
+
+impl std::fmt::Debug for Backend {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Backend").finish_non_exhaustive()
+    }
+}
+
+static BACKEND: OnceLock<Result<Backend, String>> = OnceLock::new();
+
+/// The process's connection to rdmad, opened on first use. The error says which bus was
+/// tried and why it failed; it is kept, so a program that cannot reach rdmad is told the
+/// same thing on every call.
+pub fn backend() -> Result<&'static Backend, String> {
+    BACKEND
+        .get_or_init(Backend::connect)
+        .as_ref()
+        .map_err(Clone::clone)
+}
+
+/// `xxxx:xxxx:xxxx:xxxx` (as rdmad and ibv_devinfo print it) to a number.
+pub fn parse_guid(text: &str) -> Option<u64> {
+    let hex: String = text.chars().filter(|c| *c != ':').collect();
+    if hex.len() != 16 {
+        return None;
+    }
+    u64::from_str_radix(&hex, 16).ok()
+}
+
+impl Backend {
+    fn connect() -> Result<Backend, String> {
+        let bus =
+            std::env::var(rdmad_client::names::BUS_ADDRESS_ENV).unwrap_or_else(|_| "system".into());
+        let runtime = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(1)
+            .thread_name("rdmad-verbs")
+            .enable_all()
+            .build()
+            .map_err(|e| format!("cannot start the library's bus thread: {e}"))?;
+        let connection = runtime
+            .block_on(rdmad_client::connect(None))
+            .map_err(|e| format!("cannot connect to the {bus} bus, where rdmad serves: {e}"))?;
+        Ok(Backend {
+            runtime,
+            connection,
+        })
+    }
+
+    /// Runs a bus call to completion on the calling thread.
+    pub fn block_on<F: std::future::Future>(&self, future: F) -> F::Output {
+        self.runtime.block_on(future)
+    }
+
+    async fn manager(&self) -> Result<ManagerProxy<'static>, String> {
+        ManagerProxy::new(&self.connection)
+            .await
+            .map_err(|e| format!("cannot reach rdmad: {e}"))
+    }
+
+    /// Every device rdmad serves, in its order.
+    pub fn devices(&self) -> Result<Vec<DeviceInfo>, String> {
+        self.block_on(async {
+            let manager = self.manager().await?;
+            let summaries = manager
+                .list_devices()
+                .await
+                .map_err(|e| format!("rdmad did not list its devices: {e}"))?;
+            let mut devices = Vec::with_capacity(summaries.len());
+            for summary in summaries {
+                devices.push(
+                    self.device(summary.name, summary.provider, summary.path)
+                        .await?,
+                );
+            }
+            Ok(devices)
+        })
+    }
+
+    async fn device(
+        &self,
+        name: String,
+        provider: String,
+        path: OwnedObjectPath,
+    ) -> Result<DeviceInfo, String> {
+        let failed =
+            |what: &str, e: zbus::Error| format!("device {name}: cannot read its {what}: {e}");
+        let proxy = DeviceProxy::builder(&self.connection)
+            .path(path)
+            .map_err(|e| failed("object", e))?
+            .build()
+            .await
+            .map_err(|e| failed("object", e))?;
+        let guid = proxy
+            .node_guid()
+            .await
+            .map_err(|e| failed("node GUID", e))?;
+        Ok(DeviceInfo {
+            node_guid: parse_guid(&guid).unwrap_or(0),
+            firmware_version: proxy
+                .firmware_version()
+                .await
+                .map_err(|e| failed("firmware version", e))?,
+            ports: proxy.ports().await.map_err(|e| failed("ports", e))?,
+            gids: proxy.gids().await.map_err(|e| failed("GID table", e))?,
+            capabilities: proxy
+                .capabilities()
+                .await
+                .map_err(|e| failed("capabilities", e))?,
+            name,
+            provider,
+        })
+    }
+
+    /// Opens the session a device context stands for.
+    pub fn open_session(&self) -> Result<OwnedObjectPath, String> {
+        self.block_on(async {
+            self.manager()
+                .await?
+                .open_session(Default::default())
+                .await
+                .map_err(|e| format!("rdmad refused a session: {e}"))
+        })
+    }
+
+    /// Closes a context's session: rdmad releases everything in it.
+    pub fn close_session(&self, path: &OwnedObjectPath) -> Result<(), String> {
+        self.block_on(async {
+            let session = SessionProxy::builder(&self.connection)
+                .path(path.clone())
+                .map_err(|e| e.to_string())?
+                .build()
+                .await
+                .map_err(|e| e.to_string())?;
+            session
+                .close()
+                .await
+                .map_err(|e| format!("rdmad did not close session {}: {e}", path.as_str()))
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::parse_guid;
+
+    #[test]
+    fn guids_parse_as_rdmad_prints_them() {
+        assert_eq!(
+            parse_guid("0002:c903:0011:2233"),
+            Some(0x0002_c903_0011_2233)
+        );
+        assert_eq!(parse_guid("0002:c903:0011"), None);
+        assert_eq!(parse_guid("zzzz:c903:0011:2233"), None);
+    }
+}
