@@ -1,9 +1,38 @@
 //! Unmodified verbs programs — the distribution's own ibverbs-utils binaries — run through
 //! rdmad's libibverbs with `rdmactl exec`, as an unprivileged user.
 
-use rdmad_tests::daemon::{rdmactl, rdmactl_ok, start_on, wait_for_sessions};
+use std::os::unix::fs::PermissionsExt;
+use std::path::PathBuf;
+
+use rdmad_tests::daemon::{object_counts, rdmactl, rdmactl_ok, start_on, wait_for_sessions};
 use rdmad_tests::NOBODY;
 use serde_json::Value;
+
+/// Builds one of the C programs in `tests/verbs/` against the distribution's
+/// libibverbs-dev, into a directory any user may run it from.
+fn c_program(name: &str) -> (tempfile::TempDir, PathBuf) {
+    let dir = tempfile::Builder::new()
+        .prefix("rdmad-verbs-")
+        .tempdir()
+        .expect("tempdir");
+    std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
+    let source = rdmad_tests::repo_root().join(format!("tests/verbs/{name}.c"));
+    let binary = dir.path().join(name);
+    let out = std::process::Command::new("cc")
+        .args(["-Wall", "-Wextra", "-Werror", "-O1", "-o"])
+        .arg(&binary)
+        .arg(&source)
+        .arg("-libverbs")
+        .output()
+        .expect("cc must be installed");
+    assert!(
+        out.status.success(),
+        "cc {}: {}",
+        source.display(),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    (dir, binary)
+}
 
 fn stdout(out: &std::process::Output, what: &str) -> String {
     assert!(
@@ -99,6 +128,41 @@ rdmad::on_both_providers!(async
     ibv_devices_and_ibv_devinfo_show_what_rdmad_serves
         / rxe_ibv_devices_and_ibv_devinfo_show_what_rdmad_serves,
 );
+
+/// `ibv_reg_mr` of the program's own memory — heap (unaligned, with a neighbour on the same
+/// page), stack, page-aligned — keeps its contents through registration and
+/// deregistration and stays the program's memory; bad buffers and flags get libibverbs's
+/// errors; a registration past the user's `registered_bytes` is NULL with `ENOMEM` and the
+/// daemon's reason; everything is gone when the program exits.
+#[tokio::test(flavor = "multi_thread")]
+async fn ibv_reg_mr_registers_the_programs_own_memory_within_its_quota() {
+    let (bus, _daemon) = start_on(
+        "loopback",
+        "[[pool]]\nname = \"default\"\ncapacity = \"256MiB\"\ngranularity = \"4KiB\"\n\
+         [quota.default]\nregistered_bytes = \"8MiB\"\n",
+    )
+    .await;
+    let before = object_counts(&bus).await;
+    let (_dir, program) = c_program("reg_mr");
+    let program = program.to_str().unwrap();
+    let out = rdmactl(&bus, Some(NOBODY), &["exec", "--", program, "16777216"]);
+    let printed = stdout(&out, "reg_mr");
+    assert!(printed.ends_with("0 failed\n"), "{printed}");
+    assert!(
+        printed.contains("quota Cannot allocate memory"),
+        "{printed}"
+    );
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains("rdmad-verbs: ibv_reg_mr: ") && stderr.contains("registered_bytes"),
+        "the daemon's refusal should reach the program's stderr:\n{stderr}"
+    );
+    wait_for_sessions(&bus, 0).await;
+    let after = object_counts(&bus).await;
+    for kind in ["regions", "mrs", "sessions"] {
+        assert_eq!(after[kind], before[kind], "{kind}: {before:?} -> {after:?}");
+    }
+}
 
 /// A program that cannot reach rdmad is told why, once, and gets no devices.
 #[tokio::test]

@@ -150,6 +150,55 @@ impl Backend {
         })
     }
 
+    /// Allocates a region of at least `size` bytes from `pool` in a context's session: its
+    /// object, its memfd and its size. The error is rdmad's refusal as it worded it, and
+    /// whether it was a quota or a full pool (the verbs report both as `ENOMEM`).
+    pub fn allocate_region(
+        &self,
+        session: &OwnedObjectPath,
+        pool: &str,
+        size: u64,
+    ) -> Result<(OwnedObjectPath, std::os::fd::OwnedFd, u64), (bool, String)> {
+        self.block_on(async {
+            let session = SessionProxy::builder(&self.connection)
+                .path(session.clone())
+                .map_err(|e| (false, e.to_string()))?
+                .build()
+                .await
+                .map_err(|e| (false, e.to_string()))?;
+            match session
+                .allocate_region(pool, size, Default::default())
+                .await
+            {
+                Ok((path, fd, size)) => Ok((path, fd.into(), size)),
+                Err(e) => {
+                    let memory = matches!(
+                        e,
+                        rdmad_client::Error::QuotaExceeded(_)
+                            | rdmad_client::Error::PoolExhausted(_)
+                    );
+                    Err((memory, e.to_string()))
+                }
+            }
+        })
+    }
+
+    /// Frees a region (`Region.Free`).
+    pub fn free_region(&self, path: &OwnedObjectPath) -> Result<(), String> {
+        self.block_on(async {
+            let region = rdmad_client::proxy::RegionProxy::builder(&self.connection)
+                .path(path.clone())
+                .map_err(|e| e.to_string())?
+                .build()
+                .await
+                .map_err(|e| e.to_string())?;
+            region
+                .free()
+                .await
+                .map_err(|e| format!("rdmad did not free region {}: {e}", path.as_str()))
+        })
+    }
+
     /// Closes a context's session: rdmad releases everything in it.
     pub fn close_session(&self, path: &OwnedObjectPath) -> Result<(), String> {
         self.block_on(async {

@@ -8,6 +8,8 @@
 //!   this library does not offer, which fail as libibverbs reports an unsupported verb.
 //! - [`backend`] talks to rdmad: one bus connection per process, driven by a runtime of
 //!   the library's own.
+//! - [`maps`] reads the process's own mappings, which `ibv_reg_mr` checks before it
+//!   re-backs a range with rdmad's memory.
 //! - [`names`] holds the tables behind the string and rate helpers.
 //!
 //! docs/verbs.md says what is covered and how a program runs through it.
@@ -15,4 +17,5 @@
 #[allow(unsafe_code)]
 mod abi;
 pub mod backend;
+pub mod maps;
 pub mod names;

@@ -541,8 +541,11 @@ pub unsafe extern "C" fn __rdmad_ibv_alloc_pd(ctx: *mut sys::ibv_context) -> *mu
 
 #[no_mangle]
 pub unsafe extern "C" fn __rdmad_ibv_dealloc_pd(pd: *mut sys::ibv_pd) -> c_int {
-    if pd.is_null() || !registry::remove_pd(pd) {
+    if pd.is_null() {
         return libc::EINVAL;
+    }
+    if let Err(e) = registry::remove_pd(pd) {
+        return e;
     }
     // SAFETY: it was a registered PD (a `Box<Pd>`), now removed.
     drop(unsafe { Box::from_raw(pd as *mut Pd) });

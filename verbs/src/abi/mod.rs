@@ -30,6 +30,7 @@ macro_rules! symver {
 }
 
 mod device;
+mod memory;
 mod registry;
 mod unsupported;
 

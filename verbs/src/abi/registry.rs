@@ -38,6 +38,17 @@ pub struct Pd {
     pub raw: sys::ibv_pd,
 }
 
+/// A registration: `raw` as the program sees it, and the re-backed pages it lies in
+/// (`memory.rs`).
+#[repr(C)]
+pub struct Mr {
+    pub raw: sys::ibv_mr,
+    pub backing_start: usize,
+    /// The address the MR's first byte has for work requests (`ibv_reg_mr_iova`).
+    pub iova: u64,
+    pub access: u32,
+}
+
 #[repr(C)]
 pub struct CompChannel {
     pub raw: sys::ibv_comp_channel,
@@ -59,6 +70,7 @@ struct Live {
     contexts: HashSet<usize>,
     pds: HashSet<usize>,
     channels: HashSet<usize>,
+    mrs: HashSet<usize>,
 }
 
 static LIVE: Mutex<Option<Live>> = Mutex::new(None);
@@ -147,11 +159,12 @@ pub fn context_in_use(ctx: *const sys::ibv_context) -> bool {
         live.pds
             .iter()
             .chain(live.channels.iter())
-            // Both kinds start with their context pointer.
+            .chain(live.mrs.iter())
+            // All three kinds start with their context pointer.
             .any(|&p| {
-                // SAFETY: every address in `pds` and `channels` is a live `Pd` or
-                // `CompChannel` (removed before it is freed); both begin with their
-                // context pointer.
+                // SAFETY: every address in `pds`, `channels` and `mrs` is a live `Pd`,
+                // `CompChannel` or `Mr` (removed before it is freed); each begins with
+                // its context pointer.
                 let owner = unsafe { *(p as *const *const sys::ibv_context) };
                 std::ptr::eq(owner, ctx)
             })
@@ -160,8 +173,38 @@ pub fn context_in_use(ctx: *const sys::ibv_context) -> bool {
 pub fn add_pd(ptr: *mut Pd) {
     with(|live| live.pds.insert(ptr as usize));
 }
-pub fn remove_pd(ptr: *const sys::ibv_pd) -> bool {
-    with(|live| live.pds.remove(&(ptr as usize)))
+/// The PD behind a pointer, if it is a live one of ours.
+pub fn pd<'a>(ptr: *const sys::ibv_pd) -> Option<&'a sys::ibv_pd> {
+    if ptr.is_null() || !with(|live| live.pds.contains(&(ptr as usize))) {
+        return None;
+    }
+    // SAFETY: registered PDs are `Box<Pd>`s whose `raw` is the first field, live until
+    // `ibv_dealloc_pd` (which refuses while MRs use them).
+    Some(unsafe { &*ptr })
+}
+/// Forgets a PD; `Err(EBUSY)` while MRs use it, `Err(EINVAL)` if it is not ours.
+pub fn remove_pd(ptr: *const sys::ibv_pd) -> Result<(), i32> {
+    with(|live| {
+        if !live.pds.contains(&(ptr as usize)) {
+            return Err(libc::EINVAL);
+        }
+        let in_use = live.mrs.iter().any(|&m| {
+            // SAFETY: addresses in `mrs` are live `Mr`s.
+            let mr = unsafe { &*(m as *const sys::ibv_mr) };
+            std::ptr::eq(mr.pd, ptr)
+        });
+        if in_use {
+            return Err(libc::EBUSY);
+        }
+        live.pds.remove(&(ptr as usize));
+        Ok(())
+    })
+}
+pub fn add_mr(ptr: *mut Mr) {
+    with(|live| live.mrs.insert(ptr as usize));
+}
+pub fn remove_mr(ptr: *const sys::ibv_mr) -> bool {
+    with(|live| live.mrs.remove(&(ptr as usize)))
 }
 pub fn add_channel(ptr: *mut CompChannel) {
     with(|live| live.channels.insert(ptr as usize));

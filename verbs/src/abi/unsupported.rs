@@ -37,14 +37,11 @@ const NAMES: &[&str] = &[
     "ibv_create_cq",
     "ibv_create_qp",
     "ibv_create_srq",
-    "ibv_reg_mr",
     "ibv_import_device",
     "ibv_import_mr",
     "ibv_import_pd",
     "ibv_reg_dmabuf_mr",
     "ibv_import_dm",
-    "ibv_reg_mr_iova",
-    "ibv_reg_mr_iova2",
 ];
 
 #[no_mangle]
@@ -78,13 +75,6 @@ pub extern "C" fn __rdmad_ibv_create_qp() -> *mut std::ffi::c_void {
 #[no_mangle]
 pub extern "C" fn __rdmad_ibv_create_srq() -> *mut std::ffi::c_void {
     report("ibv_create_srq");
-    set_errno(libc::EOPNOTSUPP);
-    std::ptr::null_mut()
-}
-
-#[no_mangle]
-pub extern "C" fn __rdmad_ibv_reg_mr() -> *mut std::ffi::c_void {
-    report("ibv_reg_mr");
     set_errno(libc::EOPNOTSUPP);
     std::ptr::null_mut()
 }
@@ -131,20 +121,6 @@ pub extern "C" fn __rdmad_ibv_qp_to_qp_ex() -> *mut std::ffi::c_void {
 }
 
 #[no_mangle]
-pub extern "C" fn __rdmad_ibv_reg_mr_iova() -> *mut std::ffi::c_void {
-    report("ibv_reg_mr_iova");
-    set_errno(libc::EOPNOTSUPP);
-    std::ptr::null_mut()
-}
-
-#[no_mangle]
-pub extern "C" fn __rdmad_ibv_reg_mr_iova2() -> *mut std::ffi::c_void {
-    report("ibv_reg_mr_iova2");
-    set_errno(libc::EOPNOTSUPP);
-    std::ptr::null_mut()
-}
-
-#[no_mangle]
 pub extern "C" fn __rdmad_verbs_init_and_alloc_context() -> *mut std::ffi::c_void {
     set_errno(libc::EOPNOTSUPP);
     std::ptr::null_mut()
@@ -158,11 +134,6 @@ pub extern "C" fn __rdmad_verbs_open_device() -> *mut std::ffi::c_void {
 
 #[no_mangle]
 pub extern "C" fn __rdmad_ibv_attach_mcast() -> c_int {
-    libc::EINVAL
-}
-
-#[no_mangle]
-pub extern "C" fn __rdmad_ibv_dereg_mr() -> c_int {
     libc::EINVAL
 }
 
@@ -616,19 +587,15 @@ symver! {
     __rdmad_ibv_create_cq => "ibv_create_cq" @ "IBVERBS_1.1";
     __rdmad_ibv_create_qp => "ibv_create_qp" @ "IBVERBS_1.1";
     __rdmad_ibv_create_srq => "ibv_create_srq" @ "IBVERBS_1.1";
-    __rdmad_ibv_reg_mr => "ibv_reg_mr" @ "IBVERBS_1.1";
     __rdmad_ibv_import_device => "ibv_import_device" @ "IBVERBS_1.10";
     __rdmad_ibv_import_mr => "ibv_import_mr" @ "IBVERBS_1.10";
     __rdmad_ibv_import_pd => "ibv_import_pd" @ "IBVERBS_1.10";
     __rdmad_ibv_reg_dmabuf_mr => "ibv_reg_dmabuf_mr" @ "IBVERBS_1.12";
     __rdmad_ibv_import_dm => "ibv_import_dm" @ "IBVERBS_1.13";
     __rdmad_ibv_qp_to_qp_ex => "ibv_qp_to_qp_ex" @ "IBVERBS_1.6";
-    __rdmad_ibv_reg_mr_iova => "ibv_reg_mr_iova" @ "IBVERBS_1.7";
-    __rdmad_ibv_reg_mr_iova2 => "ibv_reg_mr_iova2" @ "IBVERBS_1.8";
     __rdmad_verbs_init_and_alloc_context => "_verbs_init_and_alloc_context" @ "IBVERBS_PRIVATE_34";
     __rdmad_verbs_open_device => "verbs_open_device" @ "IBVERBS_PRIVATE_34";
     __rdmad_ibv_attach_mcast => "ibv_attach_mcast" @ "IBVERBS_1.1";
-    __rdmad_ibv_dereg_mr => "ibv_dereg_mr" @ "IBVERBS_1.1";
     __rdmad_ibv_destroy_ah => "ibv_destroy_ah" @ "IBVERBS_1.1";
     __rdmad_ibv_destroy_cq => "ibv_destroy_cq" @ "IBVERBS_1.1";
     __rdmad_ibv_destroy_qp => "ibv_destroy_qp" @ "IBVERBS_1.1";

@@ -1,0 +1,451 @@
+//! `ibv_reg_mr` of the program's own memory. rdmad registers only memory it owns (a
+//! region's memfd), so registering a range re-backs its pages with a region: the pages'
+//! contents are copied into a fresh region of rdmad's, and the region's memfd is mapped
+//! over the range in one `mremap`, at the same addresses with the same protection. From
+//! then on the program's buffer *is* the registered memory: no copy per work request.
+//! `ibv_dereg_mr` puts private memory back the same way (contents kept). The method and its
+//! limits are in docs/verbs.md.
+
+use std::ffi::{c_int, c_uint, c_void};
+use std::os::fd::{AsRawFd, OwnedFd};
+use std::sync::Mutex;
+
+use zbus::zvariant::OwnedObjectPath;
+
+use super::registry::{self, lock, Context, Mr};
+use super::{set_errno, sys};
+use crate::backend;
+use crate::maps;
+
+const PAGE: usize = 4096;
+
+/// The pool registrations come from: `RDMAD_VERBS_POOL`, else `default`.
+fn pool() -> String {
+    std::env::var("RDMAD_VERBS_POOL").unwrap_or_else(|_| "default".into())
+}
+
+/// A range of the program's pages re-backed by one rdmad region; several MRs within the
+/// same pages share it.
+struct Backing {
+    start: usize,
+    len: usize,
+    /// Protection of the pages, as they were.
+    prot: c_int,
+    inode: u64,
+    region: OwnedObjectPath,
+    fd: OwnedFd,
+    mrs: usize,
+}
+
+static BACKINGS: Mutex<Vec<Backing>> = Mutex::new(Vec::new());
+
+fn read_maps() -> Result<Vec<maps::Mapping>, String> {
+    std::fs::read_to_string("/proc/self/maps")
+        .map(|t| maps::parse(&t))
+        .map_err(|e| format!("cannot read /proc/self/maps: {e}"))
+}
+
+/// Copies the range's contents into `temp` (a fresh mapping of `len` bytes) and moves
+/// `temp` over the range, with nothing in between that could write to the range: the copy
+/// (`process_vm_readv`, which fails rather than faults on unreadable memory) and the move
+/// (`mremap`) are two system calls issued back to back from registers, so even a range on
+/// the calling thread's own stack — whose frames keep changing in ordinary code — holds at
+/// the move exactly what it held at the copy. Then restores the protection `prot`.
+///
+/// # Safety
+/// `temp` must be a mapping of `len` bytes this library made and nobody else uses; the
+/// range `[start, start+len)` must be the program's own private memory (checked against
+/// `/proc/self/maps` by the caller).
+unsafe fn copy_and_move(
+    temp: *mut c_void,
+    start: usize,
+    len: usize,
+    prot: c_int,
+) -> std::io::Result<()> {
+    let local = libc::iovec {
+        iov_base: temp,
+        iov_len: len,
+    };
+    let remote = libc::iovec {
+        iov_base: start as *mut c_void,
+        iov_len: len,
+    };
+    let (ret, moved) = raw_copy_and_move(&local, &remote, temp, start, len);
+    if !moved {
+        // SAFETY: the move did not happen: `temp` is still ours to unmap.
+        unsafe { libc::munmap(temp, len) };
+        return Err(if ret < 0 {
+            std::io::Error::from_raw_os_error(-ret as i32)
+        } else {
+            std::io::Error::from_raw_os_error(libc::EFAULT)
+        });
+    }
+    if ret < 0 {
+        // SAFETY: as above: the move failed.
+        unsafe { libc::munmap(temp, len) };
+        return Err(std::io::Error::from_raw_os_error(-ret as i32));
+    }
+    if prot != libc::PROT_READ | libc::PROT_WRITE {
+        // SAFETY: the range is now the mapping just moved there.
+        unsafe { libc::mprotect(start as *mut c_void, len, prot) };
+    }
+    Ok(())
+}
+
+/// The two system calls of [`copy_and_move`]: returns the last call's result (−errno on
+/// failure) and whether the move was attempted (only after a complete copy).
+#[cfg(target_arch = "x86_64")]
+fn raw_copy_and_move(
+    local: &libc::iovec,
+    remote: &libc::iovec,
+    temp: *mut c_void,
+    start: usize,
+    len: usize,
+) -> (isize, bool) {
+    // SAFETY: getpid has no preconditions.
+    let pid = unsafe { libc::getpid() } as usize;
+    let ret: isize;
+    let moved: usize;
+    // SAFETY: process_vm_readv(pid, local, 1, remote, 1, 0) reads this process's memory
+    // into `temp` through the kernel (the iovecs live in this frame, only read); if it
+    // copied all `len` bytes, mremap(temp, len, len, MREMAP_MAYMOVE | MREMAP_FIXED, start)
+    // moves the caller's fresh mapping over the range the caller checked. Neither touches
+    // the user stack; `syscall` clobbers rcx and r11.
+    unsafe {
+        std::arch::asm!(
+            "syscall",
+            "cmp rax, r13",
+            "jne 2f",
+            "mov eax, {mremap}",
+            "mov rdi, r12",
+            "mov rsi, r13",
+            "mov rdx, r13",
+            "mov r10d, {flags}",
+            "mov r8, r14",
+            "syscall",
+            "mov r15d, 1",
+            "2:",
+            mremap = const libc::SYS_mremap,
+            flags = const libc::MREMAP_MAYMOVE | libc::MREMAP_FIXED,
+            inout("rax") libc::SYS_process_vm_readv as isize => ret,
+            inout("rdi") pid => _,
+            inout("rsi") local as *const libc::iovec => _,
+            inout("rdx") 1usize => _,
+            inout("r10") remote as *const libc::iovec => _,
+            inout("r8") 1usize => _,
+            in("r9") 0usize,
+            in("r12") temp,
+            in("r13") len,
+            in("r14") start,
+            inout("r15") 0usize => moved,
+            out("rcx") _,
+            out("r11") _,
+            options(nostack),
+        );
+    }
+    (ret, moved == 1)
+}
+
+/// Elsewhere the two calls are made from Rust: a range on the calling thread's own stack
+/// may then lose the writes of the frames in between.
+#[cfg(not(target_arch = "x86_64"))]
+fn raw_copy_and_move(
+    local: &libc::iovec,
+    remote: &libc::iovec,
+    temp: *mut c_void,
+    start: usize,
+    len: usize,
+) -> (isize, bool) {
+    // SAFETY: as in the x86_64 version, from Rust.
+    unsafe {
+        let n = libc::process_vm_readv(libc::getpid(), local, 1, remote, 1, 0);
+        if n != len as isize {
+            return (
+                if n < 0 {
+                    -(*libc::__errno_location()) as isize
+                } else {
+                    n
+                },
+                false,
+            );
+        }
+        let r = libc::mremap(
+            temp,
+            len,
+            len,
+            libc::MREMAP_MAYMOVE | libc::MREMAP_FIXED,
+            start as *mut c_void,
+        );
+        if r == libc::MAP_FAILED {
+            (-(*libc::__errno_location()) as isize, true)
+        } else {
+            (0, true)
+        }
+    }
+}
+
+/// Re-backs `[start, start+len)` with the region's memfd, contents kept.
+fn reback(start: usize, len: usize, prot: c_int, fd: &OwnedFd) -> std::io::Result<()> {
+    // SAFETY: a new shared mapping of the region's memfd, `len` bytes (the region is at
+    // least that large); only this function uses it until it is moved.
+    let temp = unsafe {
+        libc::mmap(
+            std::ptr::null_mut(),
+            len,
+            libc::PROT_READ | libc::PROT_WRITE,
+            libc::MAP_SHARED,
+            fd.as_raw_fd(),
+            0,
+        )
+    };
+    if temp == libc::MAP_FAILED {
+        return Err(std::io::Error::last_os_error());
+    }
+    // SAFETY: `temp` is ours; the caller checked the range is the program's, private.
+    unsafe { copy_and_move(temp, start, len, prot) }?;
+    // As with ibv_fork_init: a child does not inherit registered pages (it would share
+    // them, being a shared mapping, rather than get a copy).
+    // SAFETY: advice on the range just mapped.
+    unsafe { libc::madvise(start as *mut c_void, len, libc::MADV_DONTFORK) };
+    Ok(())
+}
+
+/// Puts private memory back under `[start, start+len)`, contents kept.
+fn restore(start: usize, len: usize, prot: c_int) -> std::io::Result<()> {
+    // SAFETY: a new private anonymous mapping of `len` bytes.
+    let temp = unsafe {
+        libc::mmap(
+            std::ptr::null_mut(),
+            len,
+            libc::PROT_READ | libc::PROT_WRITE,
+            libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+            -1,
+            0,
+        )
+    };
+    if temp == libc::MAP_FAILED {
+        return Err(std::io::Error::last_os_error());
+    }
+    // SAFETY: `temp` is ours; the caller checked the range is still our backing.
+    unsafe { copy_and_move(temp, start, len, prot) }
+}
+
+fn fail(errno: i32, message: &str) -> *mut sys::ibv_mr {
+    eprintln!("rdmad-verbs: ibv_reg_mr: {message}");
+    set_errno(errno);
+    std::ptr::null_mut()
+}
+
+/// The access flags rdmad registers with: the rest (on-demand paging, zero-based, …) is
+/// refused as a device without them would.
+const SUPPORTED_ACCESS: c_uint = sys::ibv_access_flags_IBV_ACCESS_LOCAL_WRITE
+    | sys::ibv_access_flags_IBV_ACCESS_REMOTE_WRITE
+    | sys::ibv_access_flags_IBV_ACCESS_REMOTE_READ
+    | sys::ibv_access_flags_IBV_ACCESS_REMOTE_ATOMIC
+    | sys::ibv_access_flags_IBV_ACCESS_MW_BIND
+    | sys::ibv_access_flags_IBV_ACCESS_RELAXED_ORDERING;
+
+fn reg_mr(
+    pd: *mut sys::ibv_pd,
+    addr: *mut c_void,
+    length: usize,
+    iova: u64,
+    access: c_uint,
+) -> *mut sys::ibv_mr {
+    let Some(pd_raw) = registry::pd(pd) else {
+        set_errno(libc::EINVAL);
+        return std::ptr::null_mut();
+    };
+    if addr.is_null() || length == 0 {
+        set_errno(libc::EINVAL);
+        return std::ptr::null_mut();
+    }
+    if access & !SUPPORTED_ACCESS != 0 {
+        set_errno(libc::EOPNOTSUPP);
+        return std::ptr::null_mut();
+    }
+    let context_ptr = pd_raw.context as usize;
+    let begin = addr as usize;
+    let Some(end) = begin.checked_add(length) else {
+        set_errno(libc::EINVAL);
+        return std::ptr::null_mut();
+    };
+    let start = begin & !(PAGE - 1);
+    let stop = end.div_ceil(PAGE) * PAGE;
+    let mut backings = lock(&BACKINGS);
+    let shared = backings
+        .iter()
+        .position(|b| b.start <= start && stop <= b.start + b.len);
+    if shared.is_none() {
+        if let Some(b) = backings
+            .iter()
+            .find(|b| b.start < stop && start < b.start + b.len)
+        {
+            return fail(
+                libc::EINVAL,
+                &format!(
+                    "{begin:#x}..{end:#x} overlaps the pages of another registration \
+                     ({:#x}..{:#x}) without lying inside them: register the larger range first",
+                    b.start,
+                    b.start + b.len
+                ),
+            );
+        }
+    }
+    let index = match shared {
+        Some(i) => i,
+        None => {
+            let maps = match read_maps() {
+                Ok(m) => m,
+                Err(e) => return fail(libc::EFAULT, &e),
+            };
+            let (write, exec) = match maps::private_range(&maps, start, stop) {
+                Ok(p) => p,
+                Err(e) => return fail(libc::EFAULT, &e),
+            };
+            let prot = libc::PROT_READ
+                | if write { libc::PROT_WRITE } else { 0 }
+                | if exec { libc::PROT_EXEC } else { 0 };
+            // SAFETY: a live PD's context is a live context (close refuses while PDs live).
+            let context = unsafe { &*(context_ptr as *const Context) };
+            let backend = match backend::backend() {
+                Ok(b) => b,
+                Err(e) => return fail(libc::ECONNREFUSED, &e),
+            };
+            let len = stop - start;
+            let (region, fd, _size) =
+                match backend.allocate_region(&context.session, &pool(), len as u64) {
+                    Ok(r) => r,
+                    Err((memory, e)) => {
+                        return fail(if memory { libc::ENOMEM } else { libc::EINVAL }, &e)
+                    }
+                };
+            let inode = {
+                // SAFETY: fstat of the region's memfd into a zeroed stat.
+                let mut st: libc::stat = unsafe { std::mem::zeroed() };
+                // SAFETY: as above; `st` is a valid out-pointer.
+                if unsafe { libc::fstat(fd.as_raw_fd(), &mut st) } == 0 {
+                    st.st_ino
+                } else {
+                    0
+                }
+            };
+            if let Err(e) = reback(start, len, prot, &fd) {
+                let _ = backend.free_region(&region);
+                return fail(
+                    libc::EFAULT,
+                    &format!("cannot re-back {start:#x}..{stop:#x}: {e}"),
+                );
+            }
+            backings.push(Backing {
+                start,
+                len,
+                prot,
+                inode,
+                region,
+                fd,
+                mrs: 0,
+            });
+            backings.len() - 1
+        }
+    };
+    backings[index].mrs += 1;
+    let backing_start = backings[index].start;
+    static KEYS: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(1);
+    let key = KEYS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let mr = Box::into_raw(Box::new(Mr {
+        raw: sys::ibv_mr {
+            context: pd_raw.context,
+            pd,
+            addr,
+            length: length as u64,
+            handle: key,
+            lkey: key,
+            // Remote keys come with queue pairs (docs/verbs.md).
+            rkey: 0,
+        },
+        backing_start,
+        iova,
+        access,
+    }));
+    registry::add_mr(mr);
+    // SAFETY: `mr` is the Box just made; `raw` is its first field.
+    unsafe { &mut (*mr).raw }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn __rdmad_ibv_reg_mr(
+    pd: *mut sys::ibv_pd,
+    addr: *mut c_void,
+    length: usize,
+    access: c_int,
+) -> *mut sys::ibv_mr {
+    reg_mr(pd, addr, length, addr as u64, access as c_uint)
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn __rdmad_ibv_reg_mr_iova(
+    pd: *mut sys::ibv_pd,
+    addr: *mut c_void,
+    length: usize,
+    iova: u64,
+    access: c_int,
+) -> *mut sys::ibv_mr {
+    reg_mr(pd, addr, length, iova, access as c_uint)
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn __rdmad_ibv_reg_mr_iova2(
+    pd: *mut sys::ibv_pd,
+    addr: *mut c_void,
+    length: usize,
+    iova: u64,
+    access: c_uint,
+) -> *mut sys::ibv_mr {
+    reg_mr(pd, addr, length, iova, access)
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn __rdmad_ibv_dereg_mr(mr: *mut sys::ibv_mr) -> c_int {
+    if mr.is_null() || !registry::remove_mr(mr) {
+        return libc::EINVAL;
+    }
+    // SAFETY: it was a registered MR (a `Box<Mr>`), now removed.
+    let mr = unsafe { Box::from_raw(mr as *mut Mr) };
+    let mut backings = lock(&BACKINGS);
+    let Some(i) = backings.iter().position(|b| b.start == mr.backing_start) else {
+        return 0;
+    };
+    backings[i].mrs -= 1;
+    if backings[i].mrs > 0 {
+        return 0;
+    }
+    let b = backings.remove(i);
+    drop(backings);
+    // Private memory goes back only where the program still has our mapping: a range it
+    // unmapped (or mapped something else over) is left alone.
+    if read_maps().is_ok_and(|m| maps::still_backed(&m, b.start, b.start + b.len, b.inode)) {
+        if let Err(e) = restore(b.start, b.len, b.prot) {
+            eprintln!(
+                "rdmad-verbs: ibv_dereg_mr: cannot put private memory back under {:#x}..{:#x} \
+                 ({e}); it stays rdmad's shared memory, unregistered",
+                b.start,
+                b.start + b.len
+            );
+        }
+    }
+    if let Ok(backend) = backend::backend() {
+        if let Err(e) = backend.free_region(&b.region) {
+            eprintln!("rdmad-verbs: ibv_dereg_mr: {e}");
+        }
+    }
+    drop(b.fd);
+    0
+}
+
+symver! {
+    __rdmad_ibv_reg_mr => "ibv_reg_mr" @ "IBVERBS_1.1";
+    __rdmad_ibv_reg_mr_iova => "ibv_reg_mr_iova" @ "IBVERBS_1.7";
+    __rdmad_ibv_reg_mr_iova2 => "ibv_reg_mr_iova2" @ "IBVERBS_1.8";
+    __rdmad_ibv_dereg_mr => "ibv_dereg_mr" @ "IBVERBS_1.1";
+}
