@@ -5,9 +5,12 @@
 
 use std::sync::OnceLock;
 
-use rdmad_client::proxy::{DeviceProxy, ManagerProxy, SessionProxy};
+use rdmad_client::proxy::{DeviceProxy, ManagerProxy, QueuePairProxy, SessionProxy};
+use rdmad_client::queue_pair::QueuePairRing;
+use rdmad_client::types::Endpoint;
 use rdmad_client::{Capabilities, GidEntry, PortInfo};
 use zbus::zvariant::OwnedObjectPath;
+use zbus::zvariant::Value;
 
 /// What the library knows of one device rdmad serves.
 #[derive(Debug, Clone)]
@@ -196,6 +199,97 @@ impl Backend {
                 .free()
                 .await
                 .map_err(|e| format!("rdmad did not free region {}: {e}", path.as_str()))
+        })
+    }
+
+    /// Creates an RC queue pair in a context's session: its object, its mapped rings, its
+    /// endpoint (the device's QPN among it) and the depths rdmad gave it.
+    pub fn create_queue_pair(
+        &self,
+        session: &OwnedObjectPath,
+        device: &str,
+        send_depth: u32,
+        recv_depth: u32,
+        max_sge: u32,
+    ) -> Result<
+        (
+            OwnedObjectPath,
+            QueuePairRing,
+            Endpoint,
+            rdmad_client::types::RingInfo,
+        ),
+        (bool, String),
+    > {
+        self.block_on(async {
+            let plain = |e: zbus::Error| (false, e.to_string());
+            let session = SessionProxy::builder(&self.connection)
+                .path(session.clone())
+                .map_err(plain)?
+                .build()
+                .await
+                .map_err(plain)?;
+            let mut options = std::collections::HashMap::new();
+            options.insert("send_depth", Value::U32(send_depth));
+            options.insert("recv_depth", Value::U32(recv_depth));
+            options.insert("max_sge", Value::U32(max_sge));
+            let (path, ring, doorbell, completions, info) = session
+                .create_queue_pair(device, options)
+                .await
+                .map_err(|e| {
+                    let memory = matches!(e, rdmad_client::Error::QuotaExceeded(_));
+                    (memory, e.to_string())
+                })?;
+            let ring = QueuePairRing::new(ring.into(), doorbell.into(), completions.into(), info)
+                .map_err(|e| (false, format!("cannot map the queue pair's ring: {e}")))?;
+            let qp = QueuePairProxy::builder(&self.connection)
+                .path(path.clone())
+                .map_err(plain)?
+                .build()
+                .await
+                .map_err(plain)?;
+            let endpoint = qp.endpoint().await.map_err(|e| (false, e.to_string()))?;
+            Ok((path, ring, endpoint, info))
+        })
+    }
+
+    async fn queue_pair(&self, path: &OwnedObjectPath) -> Result<QueuePairProxy<'static>, String> {
+        QueuePairProxy::builder(&self.connection)
+            .path(path.clone())
+            .map_err(|e| e.to_string())?
+            .build()
+            .await
+            .map_err(|e| e.to_string())
+    }
+
+    /// Connects a queue pair to its peer, its sends starting at `psn` from GID `gid_index`.
+    pub fn connect_queue_pair(
+        &self,
+        path: &OwnedObjectPath,
+        remote: &Endpoint,
+        psn: u32,
+        gid_index: Option<u32>,
+    ) -> Result<(), String> {
+        self.block_on(async {
+            let mut options = std::collections::HashMap::new();
+            options.insert("psn", Value::U32(psn));
+            if let Some(index) = gid_index {
+                options.insert("gid_index", Value::U32(index));
+            }
+            self.queue_pair(path)
+                .await?
+                .connect(remote, options)
+                .await
+                .map_err(|e| e.to_string())
+        })
+    }
+
+    pub fn destroy_queue_pair(&self, path: &OwnedObjectPath) -> Result<(), String> {
+        self.block_on(async {
+            self.queue_pair(path)
+                .await?
+                .destroy()
+                .await
+                .map_err(|e| format!("rdmad did not destroy queue pair {}: {e}", path.as_str()))
         })
     }
 

@@ -16,7 +16,7 @@ use zbus::{interface, Connection};
 use super::context::Context;
 use super::options::Options;
 use super::wire;
-use crate::engine::{QpId, QpInfo, QpState, RemoteEndpoint};
+use crate::engine::{LocalChoice, QpId, QpInfo, QpState, RemoteEndpoint};
 
 pub struct QueuePairObject {
     ctx: Arc<Context>,
@@ -117,14 +117,26 @@ impl QueuePairObject {
         #[zbus(header)] header: Header<'_>,
         #[zbus(connection)] connection: &Connection,
     ) -> Result<(), Error> {
-        Options::new("Connect", &options, &[])?;
+        let opts = Options::new("Connect", &options, &["psn", "gid_index"])?;
         let caller = self.ctx.caller(connection, &header).await?;
         // Someone else's queue pair is refused before its arguments are looked at.
         self.ctx.engine.qp_endpoint(&caller.owner(), self.id)?;
         let peer = remote_endpoint(&remote)?;
+        let narrow = |key: &str, v: Option<u64>| {
+            v.map(|n| {
+                u32::try_from(n).map_err(|_| {
+                    Error::InvalidArgument(format!("Connect: option {key:?} is out of range: {n}"))
+                })
+            })
+            .transpose()
+        };
+        let local = LocalChoice {
+            psn: narrow("psn", opts.unsigned("psn")?)?,
+            gid_index: narrow("gid_index", opts.unsigned("gid_index")?)?,
+        };
         let (id, peer_mtu) = (self.id, remote.mtu);
         self.ctx
-            .blocking(move |e| e.connect_qp(&caller.owner(), id, peer, peer_mtu))
+            .blocking(move |e| e.connect_qp(&caller.owner(), id, peer, peer_mtu, local))
             .await??;
         tracing::info!(qp = %self.id, peer = %remote.gid, peer_qpn = remote.qp_num, "queue pair connected");
         Ok(())

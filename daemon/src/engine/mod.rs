@@ -39,7 +39,7 @@ pub use crate::provider::{
 pub use devices::DeviceSelection;
 pub use error::EngineError;
 pub use pool::{PoolError, PoolStats, REGION_ACCESS};
-pub use qp::{ExportId, LocalEndpoint, QpId, QpOptions};
+pub use qp::{ExportId, LocalChoice, LocalEndpoint, QpId, QpOptions};
 pub use queue_pairs::{ExportHandout, QpHandout, RemoteRights};
 pub use registry::{
     AttachMode, Handout, KeyId, KeyInfo, QuotaLine, RegionId, RegionInfo, Removed, SessionId,

@@ -106,6 +106,16 @@ pub struct LocalEndpoint {
     pub port: u8,
 }
 
+/// What a client may choose of its own end when it connects (`Connect` options): the
+/// PSN its sends start from and the GID index they leave from, when it told its peer
+/// others than [`LocalEndpoint`]'s (a verbs program picks its own). Checked by
+/// `Engine::connect_qp`.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct LocalChoice {
+    pub psn: Option<u32>,
+    pub gid_index: Option<u32>,
+}
+
 /// A queue pair owned by a session.
 #[derive(Debug)]
 pub struct QueuePairRecord {
@@ -267,7 +277,7 @@ impl QueuePairRecord {
     /// Moves the QP RESET → INIT → RTR → RTS towards `remote`.
     #[cfg(test)]
     pub fn connect(&self, dev: &dyn Device, remote: RemoteEndpoint) -> Result<(), EngineError> {
-        self.connect_with_mtu(dev, remote, self.local.mtu)
+        self.connect_with_mtu(dev, remote, self.local.mtu, LocalChoice::default())
     }
 
     /// As [`QueuePairRecord::connect`], with the path MTU agreed with the peer.
@@ -276,6 +286,7 @@ impl QueuePairRecord {
         dev: &dyn Device,
         remote: RemoteEndpoint,
         path_mtu: u32,
+        local: LocalChoice,
     ) -> Result<(), EngineError> {
         let mut slot = self.remote.lock().unwrap_or_else(|e| e.into_inner());
         if slot.is_some() {
@@ -305,14 +316,14 @@ impl QueuePairRecord {
             &remote,
             &RtrAttributes {
                 port: self.local.port,
-                sgid_index: self.local.gid_index,
+                sgid_index: local.gid_index.unwrap_or(self.local.gid_index),
                 path_mtu,
                 max_dest_rd_atomic: d.rd_atomic,
                 min_rnr_timer: d.min_rnr_timer,
             },
         )?;
         self.qp.to_rts(&RtsAttributes {
-            psn: self.local.psn,
+            psn: local.psn.unwrap_or(self.local.psn),
             timeout: d.timeout,
             retry_cnt: d.retry_cnt,
             rnr_retry: d.rnr_retry,

@@ -140,11 +140,33 @@ impl Engine {
         id: QpId,
         peer: RemoteEndpoint,
         peer_mtu: u32,
+        local: LocalChoice,
     ) -> Result<(), EngineError> {
         let q = self.registry.own_qp(owner, id)?;
         let mtu = q.local.mtu.min(peer_mtu);
         let entry = self.device(&q.device)?;
-        q.connect_with_mtu(entry.device.as_ref(), peer, mtu)
+        if let Some(psn) = local.psn {
+            if psn > 0x00ff_ffff {
+                return Err(EngineError::InvalidArgument(format!(
+                    "psn {psn} is not a 24-bit packet sequence number"
+                )));
+            }
+        }
+        if let Some(index) = local.gid_index {
+            let populated = entry
+                .device
+                .gid_table(q.local.port)?
+                .iter()
+                .any(|g| g.index == index);
+            if !populated {
+                return Err(EngineError::InvalidArgument(format!(
+                    "gid_index {index} is not a populated GID of port {} of {} \
+                     (`rdmactl dev show {}` lists them)",
+                    q.local.port, q.device, q.device
+                )));
+            }
+        }
+        q.connect_with_mtu(entry.device.as_ref(), peer, mtu, local)
     }
 
     /// Destroys queue pair `id` (`owner`'s connection's), its windows first; returns what

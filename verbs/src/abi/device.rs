@@ -144,6 +144,7 @@ pub unsafe extern "C" fn __rdmad_ibv_open_device(
     let info: DeviceInfo = lock(&device.info).clone();
     let raw = sys::ibv_context {
         device: &device.raw as *const _ as *mut _,
+        ops: super::queues::context_ops(),
         cmd_fd: -1,
         async_fd: async_read.as_raw_fd(),
         num_comp_vectors: 1,
@@ -167,7 +168,7 @@ pub unsafe extern "C" fn __rdmad_ibv_close_device(ctx: *mut sys::ibv_context) ->
     if ctx.is_null() || !registry::is_context(ctx) {
         return libc::EINVAL;
     }
-    if registry::context_in_use(ctx) {
+    if registry::context_in_use(ctx) || super::queues::context_has_queues(ctx) {
         // libibverbs leaves this to the kernel, which refuses the same way.
         return libc::EBUSY;
     }
@@ -543,6 +544,9 @@ pub unsafe extern "C" fn __rdmad_ibv_alloc_pd(ctx: *mut sys::ibv_context) -> *mu
 pub unsafe extern "C" fn __rdmad_ibv_dealloc_pd(pd: *mut sys::ibv_pd) -> c_int {
     if pd.is_null() {
         return libc::EINVAL;
+    }
+    if super::queues::pd_has_queues(pd) {
+        return libc::EBUSY;
     }
     if let Err(e) = registry::remove_pd(pd) {
         return e;

@@ -39,6 +39,32 @@ struct Backing {
 
 static BACKINGS: Mutex<Vec<Backing>> = Mutex::new(Vec::new());
 
+/// What a work request needs of an MR: the region behind it and where the MR lies.
+#[derive(Debug, Clone, Copy)]
+pub struct Key {
+    pub region: u64,
+    /// Address of the region's first byte in the program.
+    pub backing_start: usize,
+    pub addr: usize,
+    pub length: usize,
+    pub context: usize,
+}
+
+static KEYS: Mutex<Vec<(u32, Key)>> = Mutex::new(Vec::new());
+
+/// The region and offset of `[addr, addr+length)` in the MR `lkey`, if that MR is the
+/// context's and holds the whole range.
+pub fn translate(context: usize, lkey: u32, addr: u64, length: u32) -> Option<(u64, u64)> {
+    let keys = lock(&KEYS);
+    let (_, k) = keys.iter().find(|(l, _)| *l == lkey)?;
+    let addr = usize::try_from(addr).ok()?;
+    let end = addr.checked_add(length as usize)?;
+    if k.context != context || addr < k.addr || end > k.addr + k.length {
+        return None;
+    }
+    Some((k.region, (addr - k.backing_start) as u64))
+}
+
 fn read_maps() -> Result<Vec<maps::Mapping>, String> {
     std::fs::read_to_string("/proc/self/maps")
         .map(|t| maps::parse(&t))
@@ -351,8 +377,19 @@ fn reg_mr(
     };
     backings[index].mrs += 1;
     let backing_start = backings[index].start;
-    static KEYS: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(1);
-    let key = KEYS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let region = rdmad_client::names::object_id(backings[index].region.as_str()).unwrap_or(0);
+    static NEXT_KEY: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(1);
+    let key = NEXT_KEY.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    lock(&KEYS).push((
+        key,
+        Key {
+            region,
+            backing_start,
+            addr: begin,
+            length,
+            context: context_ptr,
+        },
+    ));
     let mr = Box::into_raw(Box::new(Mr {
         raw: sys::ibv_mr {
             context: pd_raw.context,
@@ -412,6 +449,7 @@ pub unsafe extern "C" fn __rdmad_ibv_dereg_mr(mr: *mut sys::ibv_mr) -> c_int {
     }
     // SAFETY: it was a registered MR (a `Box<Mr>`), now removed.
     let mr = unsafe { Box::from_raw(mr as *mut Mr) };
+    lock(&KEYS).retain(|(k, _)| *k != mr.raw.lkey);
     let mut backings = lock(&BACKINGS);
     let Some(i) = backings.iter().position(|b| b.start == mr.backing_start) else {
         return 0;

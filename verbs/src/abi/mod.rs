@@ -31,6 +31,7 @@ macro_rules! symver {
 
 mod device;
 mod memory;
+mod queues;
 mod registry;
 mod unsupported;
 

@@ -209,6 +209,9 @@ pub fn remove_mr(ptr: *const sys::ibv_mr) -> bool {
 pub fn add_channel(ptr: *mut CompChannel) {
     with(|live| live.channels.insert(ptr as usize));
 }
+pub fn is_channel(ptr: *const sys::ibv_comp_channel) -> bool {
+    with(|live| live.channels.contains(&(ptr as usize)))
+}
 pub fn remove_channel(ptr: *const sys::ibv_comp_channel) -> bool {
     with(|live| live.channels.remove(&(ptr as usize)))
 }

@@ -34,8 +34,6 @@ fn report(name: &str) {
 const NAMES: &[&str] = &[
     "ibv_create_ah",
     "ibv_create_ah_from_wc",
-    "ibv_create_cq",
-    "ibv_create_qp",
     "ibv_create_srq",
     "ibv_import_device",
     "ibv_import_mr",
@@ -54,20 +52,6 @@ pub extern "C" fn __rdmad_ibv_create_ah() -> *mut std::ffi::c_void {
 #[no_mangle]
 pub extern "C" fn __rdmad_ibv_create_ah_from_wc() -> *mut std::ffi::c_void {
     report("ibv_create_ah_from_wc");
-    set_errno(libc::EOPNOTSUPP);
-    std::ptr::null_mut()
-}
-
-#[no_mangle]
-pub extern "C" fn __rdmad_ibv_create_cq() -> *mut std::ffi::c_void {
-    report("ibv_create_cq");
-    set_errno(libc::EOPNOTSUPP);
-    std::ptr::null_mut()
-}
-
-#[no_mangle]
-pub extern "C" fn __rdmad_ibv_create_qp() -> *mut std::ffi::c_void {
-    report("ibv_create_qp");
     set_errno(libc::EOPNOTSUPP);
     std::ptr::null_mut()
 }
@@ -143,16 +127,6 @@ pub extern "C" fn __rdmad_ibv_destroy_ah() -> c_int {
 }
 
 #[no_mangle]
-pub extern "C" fn __rdmad_ibv_destroy_cq() -> c_int {
-    libc::EINVAL
-}
-
-#[no_mangle]
-pub extern "C" fn __rdmad_ibv_destroy_qp() -> c_int {
-    libc::EINVAL
-}
-
-#[no_mangle]
 pub extern "C" fn __rdmad_ibv_destroy_srq() -> c_int {
     libc::EINVAL
 }
@@ -163,17 +137,7 @@ pub extern "C" fn __rdmad_ibv_detach_mcast() -> c_int {
 }
 
 #[no_mangle]
-pub extern "C" fn __rdmad_ibv_modify_qp() -> c_int {
-    libc::EINVAL
-}
-
-#[no_mangle]
 pub extern "C" fn __rdmad_ibv_modify_srq() -> c_int {
-    libc::EINVAL
-}
-
-#[no_mangle]
-pub extern "C" fn __rdmad_ibv_query_qp() -> c_int {
     libc::EINVAL
 }
 
@@ -584,8 +548,6 @@ pub static __rdmad_verbs_allow_disassociate_destroy: std::sync::atomic::AtomicBo
 symver! {
     __rdmad_ibv_create_ah => "ibv_create_ah" @ "IBVERBS_1.1";
     __rdmad_ibv_create_ah_from_wc => "ibv_create_ah_from_wc" @ "IBVERBS_1.1";
-    __rdmad_ibv_create_cq => "ibv_create_cq" @ "IBVERBS_1.1";
-    __rdmad_ibv_create_qp => "ibv_create_qp" @ "IBVERBS_1.1";
     __rdmad_ibv_create_srq => "ibv_create_srq" @ "IBVERBS_1.1";
     __rdmad_ibv_import_device => "ibv_import_device" @ "IBVERBS_1.10";
     __rdmad_ibv_import_mr => "ibv_import_mr" @ "IBVERBS_1.10";
@@ -597,13 +559,9 @@ symver! {
     __rdmad_verbs_open_device => "verbs_open_device" @ "IBVERBS_PRIVATE_34";
     __rdmad_ibv_attach_mcast => "ibv_attach_mcast" @ "IBVERBS_1.1";
     __rdmad_ibv_destroy_ah => "ibv_destroy_ah" @ "IBVERBS_1.1";
-    __rdmad_ibv_destroy_cq => "ibv_destroy_cq" @ "IBVERBS_1.1";
-    __rdmad_ibv_destroy_qp => "ibv_destroy_qp" @ "IBVERBS_1.1";
     __rdmad_ibv_destroy_srq => "ibv_destroy_srq" @ "IBVERBS_1.1";
     __rdmad_ibv_detach_mcast => "ibv_detach_mcast" @ "IBVERBS_1.1";
-    __rdmad_ibv_modify_qp => "ibv_modify_qp" @ "IBVERBS_1.1";
     __rdmad_ibv_modify_srq => "ibv_modify_srq" @ "IBVERBS_1.1";
-    __rdmad_ibv_query_qp => "ibv_query_qp" @ "IBVERBS_1.1";
     __rdmad_ibv_query_srq => "ibv_query_srq" @ "IBVERBS_1.1";
     __rdmad_ibv_resize_cq => "ibv_resize_cq" @ "IBVERBS_1.1";
     __rdmad_ibv_get_cq_event => "ibv_get_cq_event" @ "IBVERBS_1.1";

@@ -1,0 +1,740 @@
+//! Completion queues and RC queue pairs. A QP is an rdmad queue pair: its work requests go
+//! to the rings rdmad mapped for it, their SGEs translated from the program's MRs (lkey,
+//! address) to rdmad's regions (region, offset) — the bytes themselves are never copied.
+//! A CQ is the library's: `ibv_poll_cq` takes completions from the rings of the QPs that
+//! complete into it, and keeps for another CQ what belongs there (a QP whose send and
+//! receive CQs differ).
+//!
+//! The verbs states map onto rdmad's one `Connect` call: INIT and RTR are recorded,
+//! receives posted before RTS are kept in order, and the move to RTS connects the queue
+//! pair with the peer's address, QPN and PSN from RTR and the program's own send PSN and
+//! GID index — what it told its peer.
+
+use std::collections::VecDeque;
+use std::ffi::{c_int, c_void};
+use std::sync::Mutex;
+
+use rdmad_client::queue_pair::QueuePairRing;
+use rdmad_client::ring::{Completion, Opcode, RegionSge, Status, Submission, MAX_SGE};
+use rdmad_client::types::Endpoint;
+use zbus::zvariant::OwnedObjectPath;
+
+use super::registry::{self, lock, Context};
+use super::{memory, set_errno, sys};
+use crate::backend;
+
+/// The data path's state, behind one lock: every CQ and QP of the process. A program's
+/// verbs calls on different queues do not overlap in rdmad's ring accesses anyway (each
+/// is a few loads and stores).
+// Boxed: the program holds pointers to the raw structures, which must not move.
+#[allow(clippy::vec_box)]
+#[derive(Default)]
+struct DataPath {
+    cqs: Vec<Box<Cq>>,
+    qps: Vec<Box<Qp>>,
+}
+
+static DATA_PATH: Mutex<DataPath> = Mutex::new(DataPath {
+    cqs: Vec::new(),
+    qps: Vec::new(),
+});
+
+#[repr(C)]
+struct Cq {
+    raw: sys::ibv_cq,
+    /// Completions taken from a ring for this CQ while another CQ was polled.
+    pending: VecDeque<sys::ibv_wc>,
+}
+
+/// Verbs state of a QP as the program moved it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum State {
+    Reset,
+    Init,
+    Rtr,
+    Rts,
+    Error,
+}
+
+#[repr(C)]
+struct Qp {
+    raw: sys::ibv_qp,
+    path: OwnedObjectPath,
+    ring: QueuePairRing,
+    state: State,
+    sq_sig_all: bool,
+    cap: sys::ibv_qp_cap,
+    /// The peer, from RTR, and the local GID index the program chose.
+    remote: Option<(Endpoint, Option<u32>)>,
+    access: u32,
+    port: u8,
+    path_mtu: u32,
+    /// Receives posted before the queue pair is connected.
+    early_recvs: Vec<Submission>,
+}
+
+// SAFETY: the raw structures' pointers (context, PD, CQs) point at this library's objects,
+// which outlive the QP (their destroy verbs refuse while it lives); every access to a CQ
+// or QP goes through `DATA_PATH`'s lock.
+unsafe impl Send for Cq {}
+// SAFETY: as for `Cq`.
+unsafe impl Send for Qp {}
+
+fn data_path() -> std::sync::MutexGuard<'static, DataPath> {
+    lock(&DATA_PATH)
+}
+
+/// The context behind a pointer, if it is a live one of ours.
+fn context<'a>(ptr: *const sys::ibv_context) -> Option<&'a Context> {
+    if ptr.is_null() || !registry::is_context(ptr) {
+        return None;
+    }
+    // SAFETY: registered contexts are `Box<Context>`s whose `raw` is the first field,
+    // live until `ibv_close_device`, which refuses while CQs or QPs live.
+    Some(unsafe { &*(ptr as *const Context) })
+}
+
+impl DataPath {
+    fn cq(&mut self, ptr: *const sys::ibv_cq) -> Option<&mut Cq> {
+        self.cqs
+            .iter_mut()
+            .find(|c| std::ptr::eq(&c.raw, ptr))
+            .map(|c| &mut **c)
+    }
+    fn qp_index(&self, ptr: *const sys::ibv_qp) -> Option<usize> {
+        self.qps.iter().position(|q| std::ptr::eq(&q.raw, ptr))
+    }
+}
+
+/// Whether the context still has CQs or QPs (it cannot close then).
+pub fn context_has_queues(ctx: *const sys::ibv_context) -> bool {
+    let dp = data_path();
+    dp.cqs.iter().any(|c| std::ptr::eq(c.raw.context, ctx))
+        || dp.qps.iter().any(|q| std::ptr::eq(q.raw.context, ctx))
+}
+
+/// Whether a PD still has QPs.
+pub fn pd_has_queues(pd: *const sys::ibv_pd) -> bool {
+    data_path().qps.iter().any(|q| std::ptr::eq(q.raw.pd, pd))
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn __rdmad_ibv_create_cq(
+    ctx: *mut sys::ibv_context,
+    cqe: c_int,
+    cq_context: *mut c_void,
+    channel: *mut sys::ibv_comp_channel,
+    _comp_vector: c_int,
+) -> *mut sys::ibv_cq {
+    if context(ctx).is_none() || cqe <= 0 {
+        set_errno(libc::EINVAL);
+        return std::ptr::null_mut();
+    }
+    if !channel.is_null() && !registry::is_channel(channel) {
+        set_errno(libc::EINVAL);
+        return std::ptr::null_mut();
+    }
+    static HANDLES: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(1);
+    let mut cq = Box::new(Cq {
+        raw: sys::ibv_cq {
+            context: ctx,
+            channel,
+            cq_context,
+            handle: HANDLES.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
+            cqe,
+            ..Default::default()
+        },
+        pending: VecDeque::new(),
+    });
+    let ptr: *mut sys::ibv_cq = &mut cq.raw;
+    data_path().cqs.push(cq);
+    ptr
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn __rdmad_ibv_destroy_cq(cq: *mut sys::ibv_cq) -> c_int {
+    let mut dp = data_path();
+    let Some(i) = dp.cqs.iter().position(|c| std::ptr::eq(&c.raw, cq)) else {
+        return libc::EINVAL;
+    };
+    if dp
+        .qps
+        .iter()
+        .any(|q| std::ptr::eq(q.raw.send_cq, cq) || std::ptr::eq(q.raw.recv_cq, cq))
+    {
+        return libc::EBUSY;
+    }
+    dp.cqs.remove(i);
+    0
+}
+
+fn mtu_bytes(mtu: sys::ibv_mtu) -> u32 {
+    match mtu {
+        sys::ibv_mtu_IBV_MTU_256 => 256,
+        sys::ibv_mtu_IBV_MTU_512 => 512,
+        sys::ibv_mtu_IBV_MTU_1024 => 1024,
+        sys::ibv_mtu_IBV_MTU_2048 => 2048,
+        _ => 4096,
+    }
+}
+
+fn mtu_enum(bytes: u32) -> sys::ibv_mtu {
+    match bytes {
+        256 => sys::ibv_mtu_IBV_MTU_256,
+        512 => sys::ibv_mtu_IBV_MTU_512,
+        1024 => sys::ibv_mtu_IBV_MTU_1024,
+        2048 => sys::ibv_mtu_IBV_MTU_2048,
+        _ => sys::ibv_mtu_IBV_MTU_4096,
+    }
+}
+
+fn qp_state(state: State) -> sys::ibv_qp_state {
+    match state {
+        State::Reset => sys::ibv_qp_state_IBV_QPS_RESET,
+        State::Init => sys::ibv_qp_state_IBV_QPS_INIT,
+        State::Rtr => sys::ibv_qp_state_IBV_QPS_RTR,
+        State::Rts => sys::ibv_qp_state_IBV_QPS_RTS,
+        State::Error => sys::ibv_qp_state_IBV_QPS_ERR,
+    }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn __rdmad_ibv_create_qp(
+    pd: *mut sys::ibv_pd,
+    attr: *mut sys::ibv_qp_init_attr,
+) -> *mut sys::ibv_qp {
+    let Some(pd_raw) = registry::pd(pd) else {
+        set_errno(libc::EINVAL);
+        return std::ptr::null_mut();
+    };
+    if attr.is_null() {
+        set_errno(libc::EINVAL);
+        return std::ptr::null_mut();
+    }
+    // SAFETY: the caller passes a `struct ibv_qp_init_attr`; the library updates its `cap`.
+    let attr = unsafe { &mut *attr };
+    if attr.qp_type != sys::ibv_qp_type_IBV_QPT_RC || !attr.srq.is_null() {
+        eprintln!("rdmad-verbs: ibv_create_qp: only RC queue pairs without an SRQ are supported");
+        set_errno(libc::EOPNOTSUPP);
+        return std::ptr::null_mut();
+    }
+    let cap = attr.cap;
+    if cap.max_inline_data > 0 {
+        eprintln!(
+            "rdmad-verbs: ibv_create_qp: inline data ({} bytes asked) is not supported yet",
+            cap.max_inline_data
+        );
+        set_errno(libc::EINVAL);
+        return std::ptr::null_mut();
+    }
+    if cap.max_send_sge as usize > MAX_SGE || cap.max_recv_sge as usize > MAX_SGE {
+        set_errno(libc::EINVAL);
+        return std::ptr::null_mut();
+    }
+    let Some(context) = context(pd_raw.context) else {
+        set_errno(libc::EINVAL);
+        return std::ptr::null_mut();
+    };
+    {
+        let mut dp = data_path();
+        if dp.cq(attr.send_cq).is_none() || dp.cq(attr.recv_cq).is_none() {
+            set_errno(libc::EINVAL);
+            return std::ptr::null_mut();
+        }
+    }
+    let backend = match backend::backend() {
+        Ok(b) => b,
+        Err(e) => {
+            eprintln!("rdmad-verbs: {e}");
+            set_errno(libc::ECONNREFUSED);
+            return std::ptr::null_mut();
+        }
+    };
+    let max_sge = cap.max_send_sge.max(cap.max_recv_sge).max(1);
+    let (path, ring, endpoint, info) = match backend.create_queue_pair(
+        &context.session,
+        &context.info.name,
+        cap.max_send_wr.max(1),
+        cap.max_recv_wr.max(1),
+        max_sge,
+    ) {
+        Ok(q) => q,
+        Err((quota, e)) => {
+            eprintln!("rdmad-verbs: ibv_create_qp: {e}");
+            set_errno(if quota { libc::ENOMEM } else { libc::EINVAL });
+            return std::ptr::null_mut();
+        }
+    };
+    let granted = sys::ibv_qp_cap {
+        max_send_wr: cap.max_send_wr.max(1).min(info.sq_entries),
+        max_recv_wr: cap.max_recv_wr.max(1),
+        max_send_sge: max_sge,
+        max_recv_sge: max_sge,
+        max_inline_data: 0,
+    };
+    attr.cap = granted;
+    static HANDLES: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(1);
+    let mut qp = Box::new(Qp {
+        raw: sys::ibv_qp {
+            context: pd_raw.context,
+            qp_context: attr.qp_context,
+            pd,
+            send_cq: attr.send_cq,
+            recv_cq: attr.recv_cq,
+            srq: std::ptr::null_mut(),
+            handle: HANDLES.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
+            qp_num: endpoint.qp_num,
+            state: sys::ibv_qp_state_IBV_QPS_RESET,
+            qp_type: sys::ibv_qp_type_IBV_QPT_RC,
+            ..Default::default()
+        },
+        path,
+        ring,
+        state: State::Reset,
+        sq_sig_all: attr.sq_sig_all != 0,
+        cap: granted,
+        remote: None,
+        access: 0,
+        port: 1,
+        path_mtu: endpoint.mtu,
+        early_recvs: Vec::new(),
+    });
+    let ptr: *mut sys::ibv_qp = &mut qp.raw;
+    data_path().qps.push(qp);
+    ptr
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn __rdmad_ibv_destroy_qp(qp: *mut sys::ibv_qp) -> c_int {
+    let q = {
+        let mut dp = data_path();
+        let Some(i) = dp.qp_index(qp) else {
+            return libc::EINVAL;
+        };
+        dp.qps.remove(i)
+    };
+    if let Ok(b) = backend::backend() {
+        if let Err(e) = b.destroy_queue_pair(&q.path) {
+            eprintln!("rdmad-verbs: ibv_destroy_qp: {e}");
+        }
+    }
+    0
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn __rdmad_ibv_modify_qp(
+    qp: *mut sys::ibv_qp,
+    attr: *mut sys::ibv_qp_attr,
+    mask: c_int,
+) -> c_int {
+    if attr.is_null() {
+        return libc::EINVAL;
+    }
+    // SAFETY: the caller passes a `struct ibv_qp_attr`.
+    let attr = unsafe { &*attr };
+    let mask = mask as u32;
+    let mut dp = data_path();
+    let Some(i) = dp.qp_index(qp) else {
+        return libc::EINVAL;
+    };
+    let q = &mut dp.qps[i];
+    if mask & sys::ibv_qp_attr_mask_IBV_QP_STATE == 0 {
+        // Attributes without a state change: rdmad sets them at the move to RTS.
+        return 0;
+    }
+    let target = attr.qp_state;
+    let result = match (q.state, target) {
+        (State::Reset, sys::ibv_qp_state_IBV_QPS_INIT) => {
+            if mask & sys::ibv_qp_attr_mask_IBV_QP_PORT != 0 {
+                q.port = attr.port_num;
+            }
+            if mask & sys::ibv_qp_attr_mask_IBV_QP_ACCESS_FLAGS != 0 {
+                q.access = attr.qp_access_flags;
+            }
+            Ok(State::Init)
+        }
+        (State::Init, sys::ibv_qp_state_IBV_QPS_RTR) => {
+            let needed = sys::ibv_qp_attr_mask_IBV_QP_AV
+                | sys::ibv_qp_attr_mask_IBV_QP_PATH_MTU
+                | sys::ibv_qp_attr_mask_IBV_QP_DEST_QPN
+                | sys::ibv_qp_attr_mask_IBV_QP_RQ_PSN;
+            if mask & needed != needed {
+                Err(libc::EINVAL)
+            } else {
+                let ah = &attr.ah_attr;
+                // SAFETY: `raw` is the union's only view: 16 bytes of GID.
+                let raw = unsafe { ah.grh.dgid.raw };
+                let gid = std::net::Ipv6Addr::from(raw);
+                q.path_mtu = mtu_bytes(attr.path_mtu);
+                q.remote = Some((
+                    Endpoint {
+                        gid: gid.to_string(),
+                        gid_index: 0,
+                        qp_num: attr.dest_qp_num,
+                        psn: attr.rq_psn,
+                        mtu: q.path_mtu,
+                        lid: ah.dlid,
+                    },
+                    (ah.is_global != 0).then_some(u32::from(ah.grh.sgid_index)),
+                ));
+                Ok(State::Rtr)
+            }
+        }
+        (State::Rtr, sys::ibv_qp_state_IBV_QPS_RTS) => {
+            let psn = if mask & sys::ibv_qp_attr_mask_IBV_QP_SQ_PSN != 0 {
+                attr.sq_psn
+            } else {
+                0
+            };
+            let (remote, gid_index) = q.remote.clone().expect("RTR recorded the peer");
+            match backend::backend()
+                .and_then(|b| b.connect_queue_pair(&q.path, &remote, psn, gid_index))
+            {
+                Ok(()) => {
+                    let early = std::mem::take(&mut q.early_recvs);
+                    for s in &early {
+                        if let Err(e) = q.ring.submit(s) {
+                            eprintln!("rdmad-verbs: cannot queue a receive: {e}");
+                        }
+                    }
+                    Ok(State::Rts)
+                }
+                Err(e) => {
+                    eprintln!("rdmad-verbs: ibv_modify_qp to RTS: {e}");
+                    Err(libc::EINVAL)
+                }
+            }
+        }
+        (_, sys::ibv_qp_state_IBV_QPS_ERR) => Ok(State::Error),
+        (now, want) if qp_state(now) == want => Ok(now),
+        _ => Err(libc::EINVAL),
+    };
+    match result {
+        Ok(state) => {
+            q.state = state;
+            q.raw.state = qp_state(state);
+            0
+        }
+        Err(e) => e,
+    }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn __rdmad_ibv_query_qp(
+    qp: *mut sys::ibv_qp,
+    attr: *mut sys::ibv_qp_attr,
+    _mask: c_int,
+    init_attr: *mut sys::ibv_qp_init_attr,
+) -> c_int {
+    if attr.is_null() || init_attr.is_null() {
+        return libc::EINVAL;
+    }
+    let mut dp = data_path();
+    let Some(i) = dp.qp_index(qp) else {
+        return libc::EINVAL;
+    };
+    let q = &mut dp.qps[i];
+    let mut a = sys::ibv_qp_attr {
+        qp_state: qp_state(q.state),
+        cur_qp_state: qp_state(q.state),
+        path_mtu: mtu_enum(q.path_mtu),
+        qp_access_flags: q.access,
+        cap: q.cap,
+        port_num: q.port,
+        ..Default::default()
+    };
+    if let Some((remote, _)) = &q.remote {
+        a.dest_qp_num = remote.qp_num;
+        a.rq_psn = remote.psn;
+    }
+    let init = sys::ibv_qp_init_attr {
+        qp_context: q.raw.qp_context,
+        send_cq: q.raw.send_cq,
+        recv_cq: q.raw.recv_cq,
+        srq: std::ptr::null_mut(),
+        cap: q.cap,
+        qp_type: sys::ibv_qp_type_IBV_QPT_RC,
+        sq_sig_all: c_int::from(q.sq_sig_all),
+    };
+    // SAFETY: the caller passes the two structures to fill.
+    unsafe {
+        attr.write(a);
+        init_attr.write(init);
+    }
+    0
+}
+
+/// The SGEs of a work request as rdmad's (region, offset, length), or `None` if one is not
+/// inside an MR of this context.
+///
+/// # Safety
+/// `list` must point at `n` `struct ibv_sge` (the program's work request).
+unsafe fn sges(context: usize, list: *const sys::ibv_sge, n: c_int) -> Option<Vec<RegionSge>> {
+    if n < 0 || n as usize > MAX_SGE || (n > 0 && list.is_null()) {
+        return None;
+    }
+    let mut out = Vec::with_capacity(n as usize);
+    for i in 0..n as usize {
+        // SAFETY: i < n, as the caller promised.
+        let s = unsafe { *list.add(i) };
+        let (region, offset) = memory::translate(context, s.lkey, s.addr, s.length)?;
+        out.push(RegionSge {
+            region,
+            offset,
+            length: s.length,
+        });
+    }
+    Some(out)
+}
+
+unsafe extern "C" fn post_send(
+    qp: *mut sys::ibv_qp,
+    mut wr: *mut sys::ibv_send_wr,
+    bad_wr: *mut *mut sys::ibv_send_wr,
+) -> c_int {
+    let mut dp = data_path();
+    let fail = |wr: *mut sys::ibv_send_wr, e: c_int| {
+        if !bad_wr.is_null() {
+            // SAFETY: the caller passes somewhere to put the failed request.
+            unsafe { *bad_wr = wr };
+        }
+        e
+    };
+    let Some(i) = dp.qp_index(qp) else {
+        return fail(wr, libc::EINVAL);
+    };
+    let q = &mut dp.qps[i];
+    if q.state != State::Rts {
+        return fail(wr, libc::EINVAL);
+    }
+    let context = q.raw.context as usize;
+    while !wr.is_null() {
+        // SAFETY: the program's list of work requests.
+        let w = unsafe { &*wr };
+        // SAFETY: the request's own SGE list.
+        let Some(sges) = (unsafe { sges(context, w.sg_list, w.num_sge) }) else {
+            return fail(wr, libc::EINVAL);
+        };
+        // SAFETY: reading the unions as the opcode says they are filled.
+        let (imm, rdma, atomic) = unsafe { (w.__bindgen_anon_1.imm_data, w.wr.rdma, w.wr.atomic) };
+        let (opcode, imm, remote_addr, rkey, compare_add, swap) = match w.opcode {
+            sys::ibv_wr_opcode_IBV_WR_SEND => (Opcode::Send, None, 0, 0, 0, 0),
+            sys::ibv_wr_opcode_IBV_WR_SEND_WITH_IMM => (Opcode::Send, Some(imm), 0, 0, 0, 0),
+            sys::ibv_wr_opcode_IBV_WR_RDMA_WRITE => {
+                (Opcode::Write, None, rdma.remote_addr, rdma.rkey, 0, 0)
+            }
+            sys::ibv_wr_opcode_IBV_WR_RDMA_WRITE_WITH_IMM => {
+                (Opcode::Write, Some(imm), rdma.remote_addr, rdma.rkey, 0, 0)
+            }
+            sys::ibv_wr_opcode_IBV_WR_RDMA_READ => {
+                (Opcode::Read, None, rdma.remote_addr, rdma.rkey, 0, 0)
+            }
+            sys::ibv_wr_opcode_IBV_WR_ATOMIC_FETCH_AND_ADD => (
+                Opcode::FetchAdd,
+                None,
+                atomic.remote_addr,
+                atomic.rkey,
+                atomic.compare_add,
+                0,
+            ),
+            sys::ibv_wr_opcode_IBV_WR_ATOMIC_CMP_AND_SWP => (
+                Opcode::CompareSwap,
+                None,
+                atomic.remote_addr,
+                atomic.rkey,
+                atomic.compare_add,
+                atomic.swap,
+            ),
+            _ => return fail(wr, libc::EOPNOTSUPP),
+        };
+        let submission = Submission {
+            opcode,
+            wr_id: w.wr_id,
+            signaled: q.sq_sig_all || w.send_flags & sys::ibv_send_flags_IBV_SEND_SIGNALED != 0,
+            imm,
+            remote_addr,
+            rkey,
+            compare_add,
+            swap,
+            sges,
+        };
+        match q.ring.submit(&submission) {
+            Ok(Ok(())) => {}
+            Ok(Err(_full)) => return fail(wr, libc::ENOMEM),
+            Err(_) => return fail(wr, libc::EIO),
+        }
+        wr = w.next;
+    }
+    0
+}
+
+unsafe extern "C" fn post_recv(
+    qp: *mut sys::ibv_qp,
+    mut wr: *mut sys::ibv_recv_wr,
+    bad_wr: *mut *mut sys::ibv_recv_wr,
+) -> c_int {
+    let mut dp = data_path();
+    let fail = |wr: *mut sys::ibv_recv_wr, e: c_int| {
+        if !bad_wr.is_null() {
+            // SAFETY: the caller passes somewhere to put the failed request.
+            unsafe { *bad_wr = wr };
+        }
+        e
+    };
+    let Some(i) = dp.qp_index(qp) else {
+        return fail(wr, libc::EINVAL);
+    };
+    let q = &mut dp.qps[i];
+    if q.state == State::Reset || q.state == State::Error {
+        return fail(wr, libc::EINVAL);
+    }
+    let context = q.raw.context as usize;
+    while !wr.is_null() {
+        // SAFETY: the program's list of work requests.
+        let w = unsafe { &*wr };
+        // SAFETY: the request's own SGE list.
+        let Some(sges) = (unsafe { sges(context, w.sg_list, w.num_sge) }) else {
+            return fail(wr, libc::EINVAL);
+        };
+        let mut s = Submission::new(Opcode::Recv, w.wr_id, RegionSge::default());
+        s.sges = sges;
+        if q.state == State::Rts {
+            match q.ring.submit(&s) {
+                Ok(Ok(())) => {}
+                Ok(Err(_full)) => return fail(wr, libc::ENOMEM),
+                Err(_) => return fail(wr, libc::EIO),
+            }
+        } else {
+            if q.early_recvs.len() >= q.cap.max_recv_wr as usize {
+                return fail(wr, libc::ENOMEM);
+            }
+            q.early_recvs.push(s);
+        }
+        wr = w.next;
+    }
+    0
+}
+
+fn wc_status(status: Status) -> sys::ibv_wc_status {
+    match status {
+        Status::Success => sys::ibv_wc_status_IBV_WC_SUCCESS,
+        Status::LocalLengthError => sys::ibv_wc_status_IBV_WC_LOC_LEN_ERR,
+        Status::LocalProtectionError | Status::RegionAccessDenied => {
+            sys::ibv_wc_status_IBV_WC_LOC_PROT_ERR
+        }
+        Status::WrFlushError => sys::ibv_wc_status_IBV_WC_WR_FLUSH_ERR,
+        Status::RemoteInvalidRequestError => sys::ibv_wc_status_IBV_WC_REM_INV_REQ_ERR,
+        Status::RemoteAccessError => sys::ibv_wc_status_IBV_WC_REM_ACCESS_ERR,
+        Status::RemoteOperationError => sys::ibv_wc_status_IBV_WC_REM_OP_ERR,
+        Status::RetryExceeded => sys::ibv_wc_status_IBV_WC_RETRY_EXC_ERR,
+        Status::RnrRetryExceeded => sys::ibv_wc_status_IBV_WC_RNR_RETRY_EXC_ERR,
+        Status::InvalidEntry | Status::QueueFull => sys::ibv_wc_status_IBV_WC_LOC_QP_OP_ERR,
+        Status::DeviceError => sys::ibv_wc_status_IBV_WC_GENERAL_ERR,
+    }
+}
+
+fn work_completion(c: &Completion, qp_num: u32) -> sys::ibv_wc {
+    let opcode = match c.opcode {
+        Opcode::Send => sys::ibv_wc_opcode_IBV_WC_SEND,
+        Opcode::Write => sys::ibv_wc_opcode_IBV_WC_RDMA_WRITE,
+        Opcode::Read => sys::ibv_wc_opcode_IBV_WC_RDMA_READ,
+        Opcode::FetchAdd => sys::ibv_wc_opcode_IBV_WC_FETCH_ADD,
+        Opcode::CompareSwap => sys::ibv_wc_opcode_IBV_WC_COMP_SWAP,
+        Opcode::Recv if c.imm.is_some() && c.byte_len == 0 => {
+            sys::ibv_wc_opcode_IBV_WC_RECV_RDMA_WITH_IMM
+        }
+        Opcode::Recv => sys::ibv_wc_opcode_IBV_WC_RECV,
+    };
+    let mut wc = sys::ibv_wc {
+        wr_id: c.wr_id,
+        status: wc_status(c.status),
+        opcode,
+        vendor_err: c.detail,
+        byte_len: c.byte_len,
+        qp_num,
+        wc_flags: if c.imm.is_some() {
+            sys::ibv_wc_flags_IBV_WC_WITH_IMM
+        } else {
+            0
+        },
+        ..Default::default()
+    };
+    wc.__bindgen_anon_1.imm_data = c.imm.unwrap_or(0);
+    wc
+}
+
+unsafe extern "C" fn poll_cq(cq: *mut sys::ibv_cq, n: c_int, wc: *mut sys::ibv_wc) -> c_int {
+    if n < 0 || (n > 0 && wc.is_null()) {
+        return -1;
+    }
+    let mut dp = data_path();
+    let Some(this) = dp.cq(cq) else {
+        return -1;
+    };
+    let mut got: Vec<sys::ibv_wc> = Vec::new();
+    while got.len() < n as usize {
+        match this.pending.pop_front() {
+            Some(w) => got.push(w),
+            None => break,
+        }
+    }
+    let mut elsewhere: Vec<(*mut sys::ibv_cq, sys::ibv_wc)> = Vec::new();
+    for q in dp.qps.iter_mut() {
+        let (send, recv) = (q.raw.send_cq, q.raw.recv_cq);
+        if !std::ptr::eq(send, cq) && !std::ptr::eq(recv, cq) {
+            continue;
+        }
+        while got.len() < n as usize {
+            let Ok(Some(c)) = q.ring.poll() else { break };
+            let target = if c.opcode == Opcode::Recv { recv } else { send };
+            let w = work_completion(&c, q.raw.qp_num);
+            if std::ptr::eq(target, cq) {
+                got.push(w);
+            } else {
+                elsewhere.push((target, w));
+            }
+        }
+    }
+    for (target, w) in elsewhere {
+        if let Some(other) = dp.cq(target) {
+            other.pending.push_back(w);
+        }
+    }
+    for (i, w) in got.iter().enumerate() {
+        // SAFETY: the caller's array has room for `n` entries; i < n.
+        unsafe { wc.add(i).write(*w) };
+    }
+    got.len() as c_int
+}
+
+/// Completion events are not delivered yet: a program that asks for them is told at once
+/// rather than left waiting.
+unsafe extern "C" fn req_notify_cq(_cq: *mut sys::ibv_cq, _solicited_only: c_int) -> c_int {
+    static ONCE: std::sync::Once = std::sync::Once::new();
+    ONCE.call_once(|| {
+        eprintln!(
+            "rdmad-verbs: completion events (ibv_req_notify_cq) are not supported yet: poll the CQ"
+        )
+    });
+    libc::EOPNOTSUPP
+}
+
+/// The data-path ops of every context (the inline verbs of `verbs.h` call them).
+pub fn context_ops() -> sys::ibv_context_ops {
+    sys::ibv_context_ops {
+        poll_cq: Some(poll_cq),
+        req_notify_cq: Some(req_notify_cq),
+        post_send: Some(post_send),
+        post_recv: Some(post_recv),
+        ..Default::default()
+    }
+}
+
+symver! {
+    __rdmad_ibv_create_cq => "ibv_create_cq" @ "IBVERBS_1.1";
+    __rdmad_ibv_destroy_cq => "ibv_destroy_cq" @ "IBVERBS_1.1";
+    __rdmad_ibv_create_qp => "ibv_create_qp" @ "IBVERBS_1.1";
+    __rdmad_ibv_destroy_qp => "ibv_destroy_qp" @ "IBVERBS_1.1";
+    __rdmad_ibv_modify_qp => "ibv_modify_qp" @ "IBVERBS_1.1";
+    __rdmad_ibv_query_qp => "ibv_query_qp" @ "IBVERBS_1.1";
+}
