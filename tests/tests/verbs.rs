@@ -8,6 +8,9 @@ use rdmad_tests::daemon::{object_counts, rdmactl, rdmactl_ok, start_on, wait_for
 use rdmad_tests::NOBODY;
 use serde_json::Value;
 
+/// A second unprivileged user (`daemon`), the other tenant.
+const DAEMON_USER: u32 = 1;
+
 /// Builds one of the C programs in `tests/verbs/` against the distribution's
 /// libibverbs-dev, into a directory any user may run it from.
 fn c_program(name: &str) -> (tempfile::TempDir, PathBuf) {
@@ -112,6 +115,123 @@ mod bodies {
         wait_for_sessions(&bus, 0).await;
     }
 
+    /// The device rdmad serves first and the index of its IPv4-mapped GID (what
+    /// `ibv_rc_pingpong -g` takes).
+    async fn device_and_gid(bus: &rdmad_tests::bus::PrivateBus) -> (String, String) {
+        let devices: Value =
+            serde_json::from_str(&rdmactl_ok(bus, Some(NOBODY), &["-j", "dev"])).unwrap();
+        let device = &devices[0];
+        let gid = device["gids"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|g| g["gid"].as_str().unwrap().starts_with("::ffff:"))
+            .unwrap_or_else(|| panic!("no IPv4-mapped GID on {device}"));
+        (
+            device["ifname"].as_str().unwrap().to_owned(),
+            gid["index"].to_string(),
+        )
+    }
+
+    /// An unmodified `ibv_rc_pingpong` on both ends — the server as one user, the client as
+    /// another, each through rdmad (or the server native on the kernel device, `native`) —
+    /// exchanges and checks (`-c`) its messages; afterwards nothing of either is left.
+    pub async fn ibv_rc_pingpong_through_rdmad(provider: &str) {
+        pingpong(provider, false).await
+    }
+
+    pub async fn ibv_rc_pingpong_against_a_native_peer(provider: &str) {
+        assert_eq!(provider, "verbs", "a native peer needs a kernel device");
+        pingpong(provider, true).await
+    }
+
+    async fn pingpong(provider: &str, native_server: bool) {
+        let (bus, _daemon) = start_on(provider, "").await;
+        let before = object_counts(&bus).await;
+        let (device, gid) = device_and_gid(&bus).await;
+        let port = free_port();
+        let args = [
+            "ibv_rc_pingpong",
+            "-d",
+            &device,
+            "-g",
+            &gid,
+            "-p",
+            &port.to_string(),
+            "-n",
+            "50",
+            "-c",
+        ];
+        let server = if native_server {
+            std::process::Command::new(args[0])
+                .args(&args[1..])
+                .stdout(std::process::Stdio::piped())
+                .stderr(std::process::Stdio::piped())
+                .spawn()
+                .expect("start ibv_rc_pingpong")
+        } else {
+            let mut exec = vec!["exec", "--"];
+            exec.extend(args);
+            rdmad_tests::daemon::as_user(Some(NOBODY), &rdmad_tests::binary("rdmactl"))
+                .args(&exec)
+                .env("RDMAD_BUS_ADDRESS", &bus.address)
+                .stdout(std::process::Stdio::piped())
+                .stderr(std::process::Stdio::piped())
+                .spawn()
+                .expect("start rdmactl exec")
+        };
+        wait_for_listener(port).await;
+        let mut exec = vec!["exec", "--"];
+        exec.extend(args);
+        exec.push("127.0.0.1");
+        let client = rdmactl(&bus, Some(DAEMON_USER), &exec);
+        let server = server.wait_with_output().expect("server output");
+        for (out, who) in [(&client, "client"), (&server, "server")] {
+            let printed = stdout(out, who);
+            assert!(printed.contains("50 iters in"), "{who}:\n{printed}");
+        }
+        wait_for_sessions(&bus, 0).await;
+        let after = object_counts(&bus).await;
+        for kind in ["qps", "regions", "mrs", "sessions"] {
+            assert_eq!(after[kind], before[kind], "{kind}: {before:?} -> {after:?}");
+        }
+    }
+
+    /// A port nothing listens on now (the kernel's pick).
+    fn free_port() -> u16 {
+        std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port()
+    }
+
+    /// Waits until something listens on TCP `port` (IPv4 or IPv6), from /proc/net/tcp*.
+    async fn wait_for_listener(port: u16) {
+        let needle = format!(":{port:04X} ");
+        let deadline = std::time::Instant::now() + rdmad_tests::TIMEOUT;
+        loop {
+            let listening = ["/proc/net/tcp", "/proc/net/tcp6"].iter().any(|f| {
+                std::fs::read_to_string(f).is_ok_and(|t| {
+                    t.lines().any(|l| {
+                        let fields: Vec<&str> = l.split_whitespace().collect();
+                        fields.len() > 3 && fields[1].ends_with(needle.trim()) && fields[3] == "0A"
+                    })
+                })
+            });
+            if listening {
+                return;
+            }
+            assert!(
+                std::time::Instant::now() < deadline,
+                "nothing listened on port {port} within {:?}",
+                rdmad_tests::TIMEOUT
+            );
+            // Polling a condition the server makes true; it has no other signal.
+            tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+        }
+    }
+
     /// `fe80::1` as ibv_devinfo prints a GID: eight groups of four hex digits.
     fn gid_hex(gid: &str) -> String {
         let address: std::net::Ipv6Addr = gid.parse().expect("GID in IPv6 notation");
@@ -127,7 +247,15 @@ mod bodies {
 rdmad::on_both_providers!(async
     ibv_devices_and_ibv_devinfo_show_what_rdmad_serves
         / rxe_ibv_devices_and_ibv_devinfo_show_what_rdmad_serves,
+    ibv_rc_pingpong_through_rdmad / rxe_ibv_rc_pingpong_through_rdmad,
 );
+
+/// One end through rdmad, the other native on rxe0 (VM tier only: the host has no kernel
+/// device).
+#[tokio::test(flavor = "multi_thread")]
+async fn rxe_ibv_rc_pingpong_against_a_native_peer() {
+    bodies::ibv_rc_pingpong_against_a_native_peer("verbs").await
+}
 
 /// `ibv_reg_mr` of the program's own memory — heap (unaligned, with a neighbour on the same
 /// page), stack, page-aligned — keeps its contents through registration and
