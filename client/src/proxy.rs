@@ -126,6 +126,8 @@ pub trait QueuePair {
     fn endpoint(&self) -> Result<Endpoint, Error>;
     /// Connects to a peer's endpoint.
     fn connect(&self, remote: &Endpoint, options: Options<'_>) -> Result<(), Error>;
+    /// Moves a queue pair connected with `{"state": "rtr"}` to RTS (option `psn`).
+    fn ready(&self, options: Options<'_>) -> Result<(), Error>;
     fn destroy(&self) -> Result<(), Error>;
     fn get_info(&self) -> Result<QueuePairInfo, Error>;
 }

@@ -261,23 +261,35 @@ impl Backend {
             .map_err(|e| e.to_string())
     }
 
-    /// Connects a queue pair to its peer, its sends starting at `psn` from GID `gid_index`.
+    /// Connects a queue pair to its peer receive-only (RTR), from GID `gid_index`.
     pub fn connect_queue_pair(
         &self,
         path: &OwnedObjectPath,
         remote: &Endpoint,
-        psn: u32,
         gid_index: Option<u32>,
     ) -> Result<(), String> {
         self.block_on(async {
             let mut options = std::collections::HashMap::new();
-            options.insert("psn", Value::U32(psn));
+            options.insert("state", Value::from("rtr"));
             if let Some(index) = gid_index {
                 options.insert("gid_index", Value::U32(index));
             }
             self.queue_pair(path)
                 .await?
                 .connect(remote, options)
+                .await
+                .map_err(|e| e.to_string())
+        })
+    }
+
+    /// Moves a queue pair connected receive-only to RTS, its sends starting at `psn`.
+    pub fn ready_queue_pair(&self, path: &OwnedObjectPath, psn: u32) -> Result<(), String> {
+        self.block_on(async {
+            let mut options = std::collections::HashMap::new();
+            options.insert("psn", Value::U32(psn));
+            self.queue_pair(path)
+                .await?
+                .ready(options)
                 .await
                 .map_err(|e| e.to_string())
         })

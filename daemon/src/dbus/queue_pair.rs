@@ -117,7 +117,7 @@ impl QueuePairObject {
         #[zbus(header)] header: Header<'_>,
         #[zbus(connection)] connection: &Connection,
     ) -> Result<(), Error> {
-        let opts = Options::new("Connect", &options, &["psn", "gid_index"])?;
+        let opts = Options::new("Connect", &options, &["psn", "gid_index", "state"])?;
         let caller = self.ctx.caller(connection, &header).await?;
         // Someone else's queue pair is refused before its arguments are looked at.
         self.ctx.engine.qp_endpoint(&caller.owner(), self.id)?;
@@ -130,15 +130,51 @@ impl QueuePairObject {
             })
             .transpose()
         };
+        let receive_only = match opts.string("state")?.as_deref() {
+            None | Some("rts") => false,
+            Some("rtr") => true,
+            Some(other) => {
+                return Err(Error::InvalidArgument(format!(
+                    "Connect: option \"state\" is \"rts\" (the default) or \"rtr\", not {other:?}"
+                )))
+            }
+        };
         let local = LocalChoice {
             psn: narrow("psn", opts.unsigned("psn")?)?,
             gid_index: narrow("gid_index", opts.unsigned("gid_index")?)?,
+            receive_only,
         };
         let (id, peer_mtu) = (self.id, remote.mtu);
         self.ctx
             .blocking(move |e| e.connect_qp(&caller.owner(), id, peer, peer_mtu, local))
             .await??;
         tracing::info!(qp = %self.id, peer = %remote.gid, peer_qpn = remote.qp_num, "queue pair connected");
+        Ok(())
+    }
+
+    /// Moves a queue pair connected with `{"state": "rtr"}` to RTS: option `psn` (`u`), the
+    /// PSN its sends start from.
+    async fn ready(
+        &self,
+        options: HashMap<String, OwnedValue>,
+        #[zbus(header)] header: Header<'_>,
+        #[zbus(connection)] connection: &Connection,
+    ) -> Result<(), Error> {
+        let opts = Options::new("Ready", &options, &["psn"])?;
+        let psn = opts
+            .unsigned("psn")?
+            .map(|n| {
+                u32::try_from(n).map_err(|_| {
+                    Error::InvalidArgument(format!("Ready: option \"psn\" is out of range: {n}"))
+                })
+            })
+            .transpose()?;
+        let caller = self.ctx.caller(connection, &header).await?;
+        let id = self.id;
+        self.ctx
+            .blocking(move |e| e.ready_qp(&caller.owner(), id, psn))
+            .await??;
+        tracing::info!(qp = %self.id, "queue pair ready to send");
         Ok(())
     }
 

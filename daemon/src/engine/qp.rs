@@ -114,6 +114,9 @@ pub struct LocalEndpoint {
 pub struct LocalChoice {
     pub psn: Option<u32>,
     pub gid_index: Option<u32>,
+    /// Stop at RTR (receives only) until [`QueuePairRecord::ready`] moves the QP to RTS,
+    /// as a verbs program that moves its QP in two steps does.
+    pub receive_only: bool,
 }
 
 /// A queue pair owned by a session.
@@ -322,14 +325,48 @@ impl QueuePairRecord {
                 min_rnr_timer: d.min_rnr_timer,
             },
         )?;
+        if !local.receive_only {
+            self.qp.to_rts(&RtsAttributes {
+                psn: local.psn.unwrap_or(self.local.psn),
+                timeout: d.timeout,
+                retry_cnt: d.retry_cnt,
+                rnr_retry: d.rnr_retry,
+                max_rd_atomic: d.rd_atomic,
+            })?;
+        }
+        *slot = Some(remote);
+        Ok(())
+    }
+
+    /// RTR → RTS for a QP connected receive-only, its sends starting at `psn` (else the
+    /// endpoint's).
+    pub fn ready(&self, dev: &dyn Device, psn: Option<u32>) -> Result<(), EngineError> {
+        let connected = self
+            .remote
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .is_some();
+        if !connected || self.state() != QpState::Rtr {
+            return Err(EngineError::InvalidArgument(
+                "Ready moves a queue pair connected with {\"state\": \"rtr\"} to RTS; this \
+                 one is not in RTR"
+                    .into(),
+            ));
+        }
+        if psn.is_some_and(|p| p > 0x00ff_ffff) {
+            return Err(EngineError::InvalidArgument(format!(
+                "psn {} is not a 24-bit packet sequence number",
+                psn.unwrap_or(0)
+            )));
+        }
+        let d = ConnectDefaults::for_device(dev)?;
         self.qp.to_rts(&RtsAttributes {
-            psn: local.psn.unwrap_or(self.local.psn),
+            psn: psn.unwrap_or(self.local.psn),
             timeout: d.timeout,
             retry_cnt: d.retry_cnt,
             rnr_retry: d.rnr_retry,
             max_rd_atomic: d.rd_atomic,
         })?;
-        *slot = Some(remote);
         Ok(())
     }
 

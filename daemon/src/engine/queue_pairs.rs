@@ -169,6 +169,13 @@ impl Engine {
         q.connect_with_mtu(entry.device.as_ref(), peer, mtu, local)
     }
 
+    /// Moves queue pair `id`, connected receive-only, to RTS.
+    pub fn ready_qp(&self, owner: &Owner, id: QpId, psn: Option<u32>) -> Result<(), EngineError> {
+        let q = self.registry.own_qp(owner, id)?;
+        let entry = self.device(&q.device)?;
+        q.ready(entry.device.as_ref(), psn)
+    }
+
     /// Destroys queue pair `id` (`owner`'s connection's), its windows first; returns what
     /// was removed.
     pub fn destroy_qp(&self, owner: &Owner, id: QpId) -> Result<Removed, EngineError> {

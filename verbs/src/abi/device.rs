@@ -168,10 +168,15 @@ pub unsafe extern "C" fn __rdmad_ibv_close_device(ctx: *mut sys::ibv_context) ->
     if ctx.is_null() || !registry::is_context(ctx) {
         return libc::EINVAL;
     }
-    if registry::context_in_use(ctx) || super::queues::context_has_queues(ctx) {
-        // libibverbs leaves this to the kernel, which refuses the same way.
-        return libc::EBUSY;
+    // As the kernel does when a context's file is closed: whatever the program left is
+    // released with it — queue pairs and CQs, then MRs (their pages become private memory
+    // again, contents kept), PDs and channels — and the session closes.
+    super::queues::release_context(ctx);
+    for mr in registry::context_mrs(ctx) {
+        // SAFETY: a live MR of this context.
+        unsafe { super::memory::__rdmad_ibv_dereg_mr(mr) };
     }
+    registry::release_context(ctx);
     if !registry::remove_context(ctx) {
         return libc::EINVAL;
     }

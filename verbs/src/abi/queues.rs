@@ -5,10 +5,10 @@
 //! complete into it, and keeps for another CQ what belongs there (a QP whose send and
 //! receive CQs differ).
 //!
-//! The verbs states map onto rdmad's one `Connect` call: INIT and RTR are recorded,
-//! receives posted before RTS are kept in order, and the move to RTS connects the queue
-//! pair with the peer's address, QPN and PSN from RTR and the program's own send PSN and
-//! GID index — what it told its peer.
+//! The verbs states map onto rdmad's calls: INIT is recorded (receives posted then are
+//! kept in order), RTR is `Connect` receive-only with the peer's address, QPN and PSN and
+//! the program's own GID index, RTS is `Ready` with the program's own send PSN — what it
+//! told its peer.
 
 use std::collections::VecDeque;
 use std::ffi::{c_int, c_void};
@@ -64,12 +64,12 @@ struct Qp {
     state: State,
     sq_sig_all: bool,
     cap: sys::ibv_qp_cap,
-    /// The peer, from RTR, and the local GID index the program chose.
+    /// The peer, once connected at RTR, and the local GID index the program chose.
     remote: Option<(Endpoint, Option<u32>)>,
     access: u32,
     port: u8,
     path_mtu: u32,
-    /// Receives posted before the queue pair is connected.
+    /// Receives posted in INIT, before the queue pair is connected.
     early_recvs: Vec<Submission>,
 }
 
@@ -106,11 +106,12 @@ impl DataPath {
     }
 }
 
-/// Whether the context still has CQs or QPs (it cannot close then).
-pub fn context_has_queues(ctx: *const sys::ibv_context) -> bool {
-    let dp = data_path();
-    dp.cqs.iter().any(|c| std::ptr::eq(c.raw.context, ctx))
-        || dp.qps.iter().any(|q| std::ptr::eq(q.raw.context, ctx))
+/// Forgets the context's QPs and CQs (`ibv_close_device`): closing its session releases
+/// the queue pairs in rdmad.
+pub fn release_context(ctx: *const sys::ibv_context) {
+    let mut dp = data_path();
+    dp.qps.retain(|q| !std::ptr::eq(q.raw.context, ctx));
+    dp.cqs.retain(|c| !std::ptr::eq(c.raw.context, ctx));
 }
 
 /// Whether a PD still has QPs.
@@ -366,18 +367,34 @@ pub unsafe extern "C" fn __rdmad_ibv_modify_qp(
                 let raw = unsafe { ah.grh.dgid.raw };
                 let gid = std::net::Ipv6Addr::from(raw);
                 q.path_mtu = mtu_bytes(attr.path_mtu);
-                q.remote = Some((
-                    Endpoint {
-                        gid: gid.to_string(),
-                        gid_index: 0,
-                        qp_num: attr.dest_qp_num,
-                        psn: attr.rq_psn,
-                        mtu: q.path_mtu,
-                        lid: ah.dlid,
-                    },
-                    (ah.is_global != 0).then_some(u32::from(ah.grh.sgid_index)),
-                ));
-                Ok(State::Rtr)
+                let remote = Endpoint {
+                    gid: gid.to_string(),
+                    gid_index: 0,
+                    qp_num: attr.dest_qp_num,
+                    psn: attr.rq_psn,
+                    mtu: q.path_mtu,
+                    lid: ah.dlid,
+                };
+                let gid_index = (ah.is_global != 0).then_some(u32::from(ah.grh.sgid_index));
+                match backend::backend()
+                    .and_then(|b| b.connect_queue_pair(&q.path, &remote, gid_index))
+                {
+                    Ok(()) => {
+                        q.remote = Some((remote, gid_index));
+                        // Receives posted in INIT go to the ring now that the QP can
+                        // take them.
+                        for s in std::mem::take(&mut q.early_recvs) {
+                            if let Err(e) = q.ring.submit(&s) {
+                                eprintln!("rdmad-verbs: cannot queue a receive: {e}");
+                            }
+                        }
+                        Ok(State::Rtr)
+                    }
+                    Err(e) => {
+                        eprintln!("rdmad-verbs: ibv_modify_qp to RTR: {e}");
+                        Err(libc::EINVAL)
+                    }
+                }
             }
         }
         (State::Rtr, sys::ibv_qp_state_IBV_QPS_RTS) => {
@@ -386,19 +403,8 @@ pub unsafe extern "C" fn __rdmad_ibv_modify_qp(
             } else {
                 0
             };
-            let (remote, gid_index) = q.remote.clone().expect("RTR recorded the peer");
-            match backend::backend()
-                .and_then(|b| b.connect_queue_pair(&q.path, &remote, psn, gid_index))
-            {
-                Ok(()) => {
-                    let early = std::mem::take(&mut q.early_recvs);
-                    for s in &early {
-                        if let Err(e) = q.ring.submit(s) {
-                            eprintln!("rdmad-verbs: cannot queue a receive: {e}");
-                        }
-                    }
-                    Ok(State::Rts)
-                }
+            match backend::backend().and_then(|b| b.ready_queue_pair(&q.path, psn)) {
+                Ok(()) => Ok(State::Rts),
                 Err(e) => {
                     eprintln!("rdmad-verbs: ibv_modify_qp to RTS: {e}");
                     Err(libc::EINVAL)
@@ -598,7 +604,7 @@ unsafe extern "C" fn post_recv(
         };
         let mut s = Submission::new(Opcode::Recv, w.wr_id, RegionSge::default());
         s.sges = sges;
-        if q.state == State::Rts {
+        if q.state == State::Rtr || q.state == State::Rts {
             match q.ring.submit(&s) {
                 Ok(Ok(())) => {}
                 Ok(Err(_full)) => return fail(wr, libc::ENOMEM),

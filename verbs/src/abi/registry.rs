@@ -153,23 +153,54 @@ pub fn is_context(ptr: *const sys::ibv_context) -> bool {
 pub fn remove_context(ptr: *const sys::ibv_context) -> bool {
     with(|live| live.contexts.remove(&(ptr as usize)))
 }
-/// Whether any live PD or channel still belongs to the context.
-pub fn context_in_use(ctx: *const sys::ibv_context) -> bool {
+/// The live objects of one kind that belong to the context.
+fn owned(set: &HashSet<usize>, ctx: *const sys::ibv_context) -> Vec<usize> {
+    set.iter()
+        .copied()
+        .filter(|&p| {
+            // SAFETY: every address in `pds`, `channels` and `mrs` is a live `Pd`,
+            // `CompChannel` or `Mr` (removed before it is freed); each begins with its
+            // context pointer.
+            let owner = unsafe { *(p as *const *const sys::ibv_context) };
+            std::ptr::eq(owner, ctx)
+        })
+        .collect()
+}
+
+/// The context's live MRs.
+pub fn context_mrs(ctx: *const sys::ibv_context) -> Vec<*mut sys::ibv_mr> {
     with(|live| {
-        live.pds
-            .iter()
-            .chain(live.channels.iter())
-            .chain(live.mrs.iter())
-            // All three kinds start with their context pointer.
-            .any(|&p| {
-                // SAFETY: every address in `pds`, `channels` and `mrs` is a live `Pd`,
-                // `CompChannel` or `Mr` (removed before it is freed); each begins with
-                // its context pointer.
-                let owner = unsafe { *(p as *const *const sys::ibv_context) };
-                std::ptr::eq(owner, ctx)
-            })
+        owned(&live.mrs, ctx)
+            .into_iter()
+            .map(|p| p as *mut sys::ibv_mr)
+            .collect()
     })
 }
+
+/// Forgets and frees the context's PDs and completion channels (`ibv_close_device`, after
+/// its MRs and queues are gone).
+pub fn release_context(ctx: *const sys::ibv_context) {
+    let (pds, channels) = with(|live| {
+        let pds = owned(&live.pds, ctx);
+        let channels = owned(&live.channels, ctx);
+        for p in &pds {
+            live.pds.remove(p);
+        }
+        for c in &channels {
+            live.channels.remove(c);
+        }
+        (pds, channels)
+    });
+    for p in pds {
+        // SAFETY: a registered PD (a `Box<Pd>`), now removed.
+        drop(unsafe { Box::from_raw(p as *mut Pd) });
+    }
+    for c in channels {
+        // SAFETY: a registered channel (a `Box<CompChannel>`), now removed.
+        drop(unsafe { Box::from_raw(c as *mut CompChannel) });
+    }
+}
+
 pub fn add_pd(ptr: *mut Pd) {
     with(|live| live.pds.insert(ptr as usize));
 }
