@@ -145,6 +145,50 @@ mod bodies {
         pingpong(provider, true).await
     }
 
+    /// perftest's `ib_send_lat` and `ib_send_bw`, unmodified, both ends through rdmad as
+    /// two users: each completes its run and prints its result line.
+    pub async fn perftest_send_through_rdmad(provider: &str) {
+        let (bus, _daemon) = start_on(provider, "").await;
+        let before = object_counts(&bus).await;
+        let (device, gid) = device_and_gid(&bus).await;
+        for (tool, size, iters) in [("ib_send_lat", "64", "200"), ("ib_send_bw", "65536", "200")] {
+            let port = free_port().to_string();
+            let args = [
+                "exec", "--", tool, "-d", &device, "-x", &gid, "-p", &port, "-s", size, "-n",
+                iters, "-F",
+            ];
+            let server =
+                rdmad_tests::daemon::as_user(Some(NOBODY), &rdmad_tests::binary("rdmactl"))
+                    .args(args)
+                    .env("RDMAD_BUS_ADDRESS", &bus.address)
+                    .stdout(std::process::Stdio::piped())
+                    .stderr(std::process::Stdio::piped())
+                    .spawn()
+                    .expect("start rdmactl exec");
+            wait_for_listener(port.parse().unwrap()).await;
+            let mut client_args = args.to_vec();
+            client_args.push("127.0.0.1");
+            let client = rdmactl(&bus, Some(DAEMON_USER), &client_args);
+            let server = server.wait_with_output().expect("server output");
+            for (out, who) in [(&client, "client"), (&server, "server")] {
+                let printed = stdout(out, &format!("{tool} {who}"));
+                let result = printed.lines().find(|l| {
+                    let f: Vec<&str> = l.split_whitespace().collect();
+                    f.len() >= 4 && f[0] == size && f[1] == iters
+                });
+                assert!(
+                    result.is_some(),
+                    "{tool} {who} printed no result line:\n{printed}"
+                );
+            }
+        }
+        wait_for_sessions(&bus, 0).await;
+        let after = object_counts(&bus).await;
+        for kind in ["qps", "regions", "mrs", "sessions"] {
+            assert_eq!(after[kind], before[kind], "{kind}: {before:?} -> {after:?}");
+        }
+    }
+
     async fn pingpong(provider: &str, native_server: bool) {
         let (bus, _daemon) = start_on(provider, "").await;
         let before = object_counts(&bus).await;
@@ -248,6 +292,7 @@ rdmad::on_both_providers!(async
     ibv_devices_and_ibv_devinfo_show_what_rdmad_serves
         / rxe_ibv_devices_and_ibv_devinfo_show_what_rdmad_serves,
     ibv_rc_pingpong_through_rdmad / rxe_ibv_rc_pingpong_through_rdmad,
+    perftest_send_through_rdmad / rxe_perftest_send_through_rdmad,
 );
 
 /// One end through rdmad, the other native on rxe0 (VM tier only: the host has no kernel
