@@ -151,6 +151,18 @@ async fn pools(connection: &Connection) -> Result<Value, Error> {
     ))
 }
 
+/// The command name of process `pid` as this host's /proc shows it now (`comm`), if it is
+/// visible to the caller. rdmad reports the pid from the bus's credentials; the name is
+/// read here because the daemon's unit hides other users' processes from it.
+fn command_of(pid: u32) -> Option<String> {
+    if pid == 0 {
+        return None;
+    }
+    std::fs::read_to_string(format!("/proc/{pid}/comm"))
+        .ok()
+        .map(|c| c.trim_end().to_owned())
+}
+
 async fn sessions(connection: &Connection) -> Result<Value, Error> {
     let sessions = manager(connection).await?.list_sessions().await?;
     Ok(Value::Array(
@@ -162,6 +174,7 @@ async fn sessions(connection: &Connection) -> Result<Value, Error> {
                     "user": s.user,
                     "uid": s.uid,
                     "pid": s.pid,
+                    "command": command_of(s.pid),
                     "bus_name": s.bus_name,
                     "regions": s.regions,
                     "attachments": s.attachments,
@@ -268,13 +281,25 @@ fn resolve_user(user: Option<&str>) -> anyhow::Result<u32> {
 }
 
 async fn queue_pairs(connection: &Connection) -> Result<Value, Error> {
-    let qps = manager(connection).await?.list_queue_pairs().await?;
+    let m = manager(connection).await?;
+    let qps = m.list_queue_pairs().await?;
+    // Which program holds each QP: its session's pid.
+    let pids: std::collections::HashMap<u64, u32> = m
+        .list_sessions()
+        .await?
+        .into_iter()
+        .map(|s| (s.id, s.pid))
+        .collect();
     Ok(Value::Array(
         qps.into_iter()
             .map(|q| {
+                let session = object_id(q.session.as_str());
+                let pid = session.and_then(|id| pids.get(&id).copied());
                 json!({
                     "qp": q.id,
-                    "session": object_id(q.session.as_str()),
+                    "session": session,
+                    "pid": pid,
+                    "command": pid.and_then(command_of),
                     "owner_uid": q.owner_uid,
                     "device": q.device,
                     "qpn": q.qp_num,

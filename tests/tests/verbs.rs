@@ -189,6 +189,81 @@ mod bodies {
         }
     }
 
+    /// Two unmodified programs exchanging messages show in `rdmactl session` and `rdmactl
+    /// qp` under their own command name and pid; SIGKILLed mid-transfer, they leave
+    /// nothing behind in rdmad.
+    pub async fn a_verbs_program_killed_mid_transfer_leaves_nothing(provider: &str) {
+        let (bus, _daemon) = start_on(provider, "").await;
+        let before = object_counts(&bus).await;
+        let (device, gid) = device_and_gid(&bus).await;
+        let port = free_port().to_string();
+        let args = [
+            "exec",
+            "--",
+            "ibv_rc_pingpong",
+            "-d",
+            &device,
+            "-g",
+            &gid,
+            "-p",
+            &port,
+            "-n",
+            "1000000000",
+        ];
+        let spawn = |uid: u32, extra: Option<&str>| {
+            let mut command =
+                rdmad_tests::daemon::as_user(Some(uid), &rdmad_tests::binary("rdmactl"));
+            command
+                .args(args)
+                .args(extra)
+                .env("RDMAD_BUS_ADDRESS", &bus.address)
+                .stdout(std::process::Stdio::null())
+                .stderr(std::process::Stdio::null());
+            command.spawn().expect("start rdmactl exec")
+        };
+        let mut server = spawn(NOBODY, None);
+        wait_for_listener(port.parse().unwrap()).await;
+        let mut client = spawn(DAEMON_USER, Some("127.0.0.1"));
+        // Until both QPs move messages.
+        let deadline = std::time::Instant::now() + rdmad_tests::TIMEOUT;
+        let qps = loop {
+            let qps: Value = serde_json::from_str(&rdmactl_ok(&bus, None, &["-j", "qp"])).unwrap();
+            let moving = qps
+                .as_array()
+                .unwrap()
+                .iter()
+                .filter(|q| q["state"] == "rts" && q["completed"].as_u64().unwrap_or(0) > 0);
+            if moving.count() == 2 {
+                break qps;
+            }
+            assert!(std::time::Instant::now() < deadline, "no traffic: {qps}");
+            tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+        };
+        // setpriv and rdmactl exec replace themselves: the child is the program.
+        let pids = [server.id(), client.id()];
+        for q in qps.as_array().unwrap() {
+            assert_eq!(q["command"], "ibv_rc_pingpong", "{q}");
+            assert!(
+                pids.contains(&(q["pid"].as_u64().unwrap() as u32)),
+                "{q} {pids:?}"
+            );
+        }
+        let sessions: Value =
+            serde_json::from_str(&rdmactl_ok(&bus, None, &["-j", "session"])).unwrap();
+        for s in sessions.as_array().unwrap() {
+            assert_eq!(s["command"], "ibv_rc_pingpong", "{s}");
+        }
+        client.kill().unwrap();
+        client.wait().unwrap();
+        server.kill().unwrap();
+        server.wait().unwrap();
+        wait_for_sessions(&bus, 0).await;
+        let after = object_counts(&bus).await;
+        for kind in ["qps", "regions", "mrs", "sessions"] {
+            assert_eq!(after[kind], before[kind], "{kind}: {before:?} -> {after:?}");
+        }
+    }
+
     async fn pingpong(provider: &str, native_server: bool) {
         let (bus, _daemon) = start_on(provider, "").await;
         let before = object_counts(&bus).await;
@@ -293,6 +368,8 @@ rdmad::on_both_providers!(async
         / rxe_ibv_devices_and_ibv_devinfo_show_what_rdmad_serves,
     ibv_rc_pingpong_through_rdmad / rxe_ibv_rc_pingpong_through_rdmad,
     perftest_send_through_rdmad / rxe_perftest_send_through_rdmad,
+    a_verbs_program_killed_mid_transfer_leaves_nothing
+        / rxe_a_verbs_program_killed_mid_transfer_leaves_nothing,
 );
 
 /// One end through rdmad, the other native on rxe0 (VM tier only: the host has no kernel
