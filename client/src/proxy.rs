@@ -150,6 +150,13 @@ pub trait Region {
     ) -> Result<(u64, u32, u64, u64), Error>;
     /// Invalidates an export.
     fn release_export(&self, export_id: u64) -> Result<(), Error>;
+    /// Registers part of the region in a protection domain of the session's own: options
+    /// `domain` (`u`, required, from 1), `offset`, `length`, `iova` (`t`), `access` (letters
+    /// l, r, w, a; default "l"). Returns `(registration, lkey, rkey)`; the rkey works
+    /// through the session's queue pairs created with the same `domain`.
+    fn register(&self, options: Options<'_>) -> Result<(u64, u32, u32), Error>;
+    /// Removes a registration: its rkey stops working.
+    fn deregister(&self, registration: u64) -> Result<(), Error>;
     /// Ends the caller's attachment.
     fn detach(&self) -> Result<(), Error>;
     fn get_info(&self) -> Result<RegionInfo, Error>;

@@ -186,31 +186,86 @@ impl Backend {
         })
     }
 
+    /// Registers `length` bytes from `offset` of a region in the session's protection
+    /// domain `domain`, named `iova` by work requests and peers, with `access` (letters
+    /// `l`, `r`, `w`, `a`): the registration's id and its rkey. The error says whether it
+    /// was a quota (the verbs report it as `ENOMEM`).
+    pub fn register(
+        &self,
+        region: &OwnedObjectPath,
+        domain: u32,
+        (offset, length, iova): (u64, u64, u64),
+        access: &str,
+    ) -> Result<(u64, u32), (bool, String)> {
+        self.block_on(async {
+            let proxy = self
+                .region(region)
+                .await
+                .map_err(|e| (false, e.to_string()))?;
+            let mut options = std::collections::HashMap::new();
+            options.insert("domain", Value::U32(domain));
+            options.insert("offset", Value::U64(offset));
+            options.insert("length", Value::U64(length));
+            options.insert("iova", Value::U64(iova));
+            options.insert("access", Value::from(access));
+            match proxy.register(options).await {
+                Ok((registration, _lkey, rkey)) => Ok((registration, rkey)),
+                Err(e) => Err((
+                    matches!(e, rdmad_client::Error::QuotaExceeded(_)),
+                    e.to_string(),
+                )),
+            }
+        })
+    }
+
+    /// Removes a registration `register` made: its rkey stops working.
+    pub fn deregister(&self, region: &OwnedObjectPath, registration: u64) -> Result<(), String> {
+        self.block_on(async {
+            self.region(region)
+                .await
+                .map_err(|e| e.to_string())?
+                .deregister(registration)
+                .await
+                .map_err(|e| {
+                    format!(
+                        "rdmad did not remove registration {registration} of region {}: {e}",
+                        region.as_str()
+                    )
+                })
+        })
+    }
+
+    async fn region(
+        &self,
+        path: &OwnedObjectPath,
+    ) -> zbus::Result<rdmad_client::proxy::RegionProxy<'static>> {
+        rdmad_client::proxy::RegionProxy::builder(&self.connection)
+            .path(path.clone())?
+            .build()
+            .await
+    }
+
     /// Frees a region (`Region.Free`).
     pub fn free_region(&self, path: &OwnedObjectPath) -> Result<(), String> {
         self.block_on(async {
-            let region = rdmad_client::proxy::RegionProxy::builder(&self.connection)
-                .path(path.clone())
-                .map_err(|e| e.to_string())?
-                .build()
+            self.region(path)
                 .await
-                .map_err(|e| e.to_string())?;
-            region
+                .map_err(|e| e.to_string())?
                 .free()
                 .await
                 .map_err(|e| format!("rdmad did not free region {}: {e}", path.as_str()))
         })
     }
 
-    /// Creates an RC queue pair in a context's session: its object, its mapped rings, its
-    /// endpoint (the device's QPN among it) and the depths rdmad gave it.
+    /// Creates an RC queue pair in a context's session, in its protection domain `domain`:
+    /// its object, its mapped rings, its endpoint (the device's QPN among it) and the
+    /// depths rdmad gave it.
     pub fn create_queue_pair(
         &self,
         session: &OwnedObjectPath,
         device: &str,
-        send_depth: u32,
-        recv_depth: u32,
-        max_sge: u32,
+        domain: u32,
+        (send_depth, recv_depth, max_sge): (u32, u32, u32),
     ) -> Result<
         (
             OwnedObjectPath,
@@ -232,6 +287,7 @@ impl Backend {
             options.insert("send_depth", Value::U32(send_depth));
             options.insert("recv_depth", Value::U32(recv_depth));
             options.insert("max_sge", Value::U32(max_sge));
+            options.insert("domain", Value::U32(domain));
             let (path, ring, doorbell, completions, info) = session
                 .create_queue_pair(device, options)
                 .await

@@ -37,6 +37,9 @@ pub struct QuotaLimits {
     pub qps: Option<u64>,
     /// Live exports: memory windows bound over regions for peers (`ExportRemote`).
     pub exports: Option<u64>,
+    /// Live registrations of regions in sessions' own protection domains
+    /// (`Region.Register`: what a verbs program's `ibv_reg_mr` becomes).
+    pub registrations: Option<u64>,
 }
 
 /// The limits a resource kind has, in the order they are reported.
@@ -48,16 +51,18 @@ pub enum QuotaKind {
     Keys,
     Qps,
     Exports,
+    Registrations,
 }
 
 impl QuotaKind {
-    pub const ALL: [QuotaKind; 6] = [
+    pub const ALL: [QuotaKind; 7] = [
         QuotaKind::Sessions,
         QuotaKind::Regions,
         QuotaKind::RegisteredBytes,
         QuotaKind::Keys,
         QuotaKind::Qps,
         QuotaKind::Exports,
+        QuotaKind::Registrations,
     ];
 
     /// The key in a quota table.
@@ -69,6 +74,7 @@ impl QuotaKind {
             QuotaKind::Keys => "keys",
             QuotaKind::Qps => "qps",
             QuotaKind::Exports => "exports",
+            QuotaKind::Registrations => "registrations",
         }
     }
 
@@ -87,6 +93,9 @@ impl QuotaKind {
             // A device's windows (max_mw: 524,287 on rxe and loopback, millions on
             // ConnectX) last for 511 users at this limit.
             QuotaKind::Exports => 1024,
+            // Each is a registration on the device (max_mr: 524,287 on rxe and loopback),
+            // as each export is a window: the same share.
+            QuotaKind::Registrations => 1024,
         }
     }
 
@@ -108,6 +117,7 @@ impl QuotaLimits {
             QuotaKind::Keys => self.keys,
             QuotaKind::Qps => self.qps,
             QuotaKind::Exports => self.exports,
+            QuotaKind::Registrations => self.registrations,
         }
     }
 

@@ -25,6 +25,7 @@ pub fn to_dbus_error(e: EngineError) -> Error {
         | EngineError::Random(_)
         | EngineError::Worker { .. } => Error::DeviceError(message),
         EngineError::NotAuthorized(_) => Error::NotAuthorized(message),
+        EngineError::NotSupported(_) => Error::NotSupported(message),
         EngineError::Quota(_) => Error::QuotaExceeded(message),
         EngineError::Pool(PoolError::Exhausted { .. }) => Error::PoolExhausted(message),
         EngineError::Pool(PoolError::TooLarge { .. } | PoolError::Empty) => {

@@ -15,7 +15,9 @@ use zbus::{interface, Connection};
 use super::context::Context;
 use super::options::Options;
 use super::wire;
-use crate::engine::{AttachMode, ExportId, KeyId, QpId, RegionId, RemoteRights};
+use crate::engine::{
+    Access, AttachMode, ExportId, KeyId, QpId, RegionId, RegistrationId, RemoteRights, Span,
+};
 use crate::policy;
 
 pub struct RegionObject {
@@ -132,6 +134,103 @@ impl RegionObject {
             "region exported"
         );
         Ok((export.addr, export.rkey, export.len, export.export.0))
+    }
+
+    /// Registers part of the region in a protection domain of the session's own, under
+    /// an address of the caller's choosing and with remote rights of its own: what a verbs
+    /// program's `ibv_reg_mr` is. Options: `domain` (`u`, required, from 1: the session's
+    /// name for the domain; queue pairs created with the same `domain` use it), `offset`
+    /// and `length` (`t`: the part of the region, default all of it), `iova` (`t`: the
+    /// address work requests and peers name its first byte by, default the offset),
+    /// `access` (any of `l` local write, `r` remote read, `w` remote write, `a` remote
+    /// atomics; default `"l"`; `w` and `a` need `l`). Returns `(registration, lkey,
+    /// rkey)`: the rkey works through the session's queue pairs in that domain only, at
+    /// once and until `Deregister`, `Free` or the end of the session.
+    async fn register(
+        &self,
+        options: HashMap<String, OwnedValue>,
+        #[zbus(header)] header: Header<'_>,
+        #[zbus(connection)] connection: &Connection,
+    ) -> Result<(u64, u32, u32), Error> {
+        let opts = Options::new(
+            "Register",
+            &options,
+            &["domain", "offset", "length", "iova", "access"],
+        )?;
+        let invalid = |what: String| Error::InvalidArgument(format!("Register: {what}"));
+        let domain = opts
+            .unsigned("domain")?
+            .ok_or_else(|| invalid("option \"domain\" is required (a number from 1)".into()))?;
+        let domain = u32::try_from(domain)
+            .ok()
+            .filter(|d| *d > 0)
+            .ok_or_else(|| invalid(format!("domain {domain} is not a number from 1 to 2^32-1")))?;
+        let letters = opts.string("access")?.unwrap_or_else(|| "l".to_owned());
+        let mut access = Access::NONE;
+        for c in letters.chars() {
+            access = access
+                | match c {
+                    'l' => Access::LOCAL_WRITE,
+                    'r' => Access::REMOTE_READ,
+                    'w' => Access::REMOTE_WRITE,
+                    'a' => Access::REMOTE_ATOMIC,
+                    _ => {
+                        return Err(invalid(format!(
+                            "access {letters:?}: use letters l, r, w and a"
+                        )))
+                    }
+                };
+        }
+        let offset = opts.unsigned("offset")?.unwrap_or(0);
+        let length = opts.unsigned("length")?;
+        let iova = opts.unsigned("iova")?;
+        let caller = self.ctx.caller(connection, &header).await?;
+        let (id, config) = (self.id, self.ctx.config());
+        let handout = self
+            .ctx
+            .blocking(move |e| {
+                let size = e
+                    .region(&caller.owner(), policy::scope(&caller, &config), id)?
+                    .size;
+                let length = length.unwrap_or(size.saturating_sub(offset));
+                let (Ok(offset), Ok(len)) = (usize::try_from(offset), usize::try_from(length))
+                else {
+                    return Err(crate::engine::EngineError::InvalidArgument(format!(
+                        "Register: offset {offset} and length {length} do not fit region {id}"
+                    )));
+                };
+                let span = Span {
+                    offset,
+                    len,
+                    iova: iova.unwrap_or(offset as u64),
+                };
+                let limits = policy::limits(&caller, &config);
+                e.register(&caller.owner(), &limits, id, domain, span, access)
+            })
+            .await??;
+        tracing::debug!(
+            region = %self.id,
+            registration = %handout.registration,
+            domain,
+            access = ?access,
+            "region registered in a domain of its session's"
+        );
+        Ok((handout.registration.0, handout.lkey, handout.rkey))
+    }
+
+    /// Removes a registration `Register` made: its rkey stops working.
+    async fn deregister(
+        &self,
+        registration: u64,
+        #[zbus(header)] header: Header<'_>,
+        #[zbus(connection)] connection: &Connection,
+    ) -> Result<(), Error> {
+        let caller = self.ctx.caller(connection, &header).await?;
+        let id = self.id;
+        Ok(self
+            .ctx
+            .blocking(move |e| e.deregister(&caller.owner(), id, RegistrationId(registration)))
+            .await??)
     }
 
     /// Invalidates an export: the rkey it gave stops working.

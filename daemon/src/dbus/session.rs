@@ -129,7 +129,10 @@ impl SessionObject {
     }
 
     /// Creates an RC queue pair (and its CQ) on `device`. Options (`u`): `send_depth`,
-    /// `recv_depth` (default 128), `max_sge` (default 4). Returns its object, the ring memfd
+    /// `recv_depth` (default 128), `max_sge` (default 4), `domain` (a protection domain of
+    /// the session's own, from 1, as `Region.Register` takes it: the queue pair's requests
+    /// then use the registrations in that domain, and its peer reaches their rkeys).
+    /// Returns its object, the ring memfd
     /// (map it shared, read-write), the doorbell (the write end of a pipe: write a byte
     /// after submitting when the ring asks for a wake-up), the completion channel (the read
     /// end of a pipe, readable when completions arrive), and the ring's size and depths.
@@ -144,7 +147,13 @@ impl SessionObject {
         let opts = Options::new(
             "CreateQueuePair",
             &options,
-            &["send_depth", "recv_depth", "max_sge", "max_inline"],
+            &[
+                "send_depth",
+                "recv_depth",
+                "max_sge",
+                "max_inline",
+                "domain",
+            ],
         )?;
         let mut qp_options = QpOptions::default();
         let narrow = |key: &str, value: u64| {
@@ -161,6 +170,15 @@ impl SessionObject {
             if let Some(v) = opts.unsigned(key)? {
                 *slot = narrow(key, v)?;
             }
+        }
+        if let Some(domain) = opts.unsigned("domain")? {
+            qp_options.domain = Some(u32::try_from(domain).ok().filter(|d| *d > 0).ok_or_else(
+                || {
+                    Error::InvalidArgument(format!(
+                        "CreateQueuePair: domain {domain} is not a number from 1 to 2^32-1"
+                    ))
+                },
+            )?);
         }
         let caller = self.ctx.caller(connection, &header).await?;
         let (session, creating, on, config) = (

@@ -29,6 +29,9 @@ pub enum EngineError {
     Pool(#[from] PoolError),
     #[error("{0}")]
     InvalidArgument(String),
+    /// What was asked does not apply to this object (the message says what does).
+    #[error("{0}")]
+    NotSupported(String),
     /// A call to the operating system failed: what rdmad was doing, and the error.
     #[error("{what}: {source}")]
     Os {

@@ -42,4 +42,8 @@ id!(
     QpId,
     /// An export of a region through a queue pair.
     ExportId,
+    /// A registration of part of a region in a protection domain of its session's.
+    RegistrationId,
+    /// A protection domain of a session's own, unique in the daemon's life.
+    DomainId,
 );

@@ -24,6 +24,7 @@ mod token;
 #[doc(hidden)]
 pub mod testing {
     pub use super::datapath::validate::{check, RegionRight, RegionRights, Work};
+    pub use super::ids::DomainId;
 }
 
 use std::path::PathBuf;
@@ -33,8 +34,8 @@ use std::time::{Duration, SystemTime};
 
 /// Device facts and errors the engine passes on as the device reports them.
 pub use crate::provider::{
-    DeviceAttributes, GidEntry, Lingering, ObjectCounts, PortAttributes, ProviderError, QpState,
-    RemoteEndpoint,
+    Access, DeviceAttributes, GidEntry, Lingering, ObjectCounts, PortAttributes, ProviderError,
+    QpState, RemoteEndpoint, Span,
 };
 pub use devices::DeviceSelection;
 pub use error::EngineError;
@@ -42,8 +43,8 @@ pub use pool::{PoolError, PoolStats, REGION_ACCESS};
 pub use qp::{ExportId, LocalChoice, LocalEndpoint, QpId, QpOptions};
 pub use queue_pairs::{ExportHandout, QpHandout, RemoteRights};
 pub use registry::{
-    AttachMode, Handout, KeyId, KeyInfo, QuotaLine, RegionId, RegionInfo, Removed, SessionId,
-    SessionInfo,
+    AttachMode, Handout, KeyId, KeyInfo, QuotaLine, RegionId, RegionInfo, RegistrationHandout,
+    RegistrationId, Removed, SessionId, SessionInfo,
 };
 pub use snapshots::{Counts, DeviceSummary, PoolSnapshot, QpInfo};
 pub use tenancy::{Limit, Limits, Owner, PoolAccess, QuotaError, Scope, Usage};
@@ -268,13 +269,16 @@ impl Engine {
             garbage:
                 registry::Garbage {
                     windows,
+                    registrations,
                     qps,
                     mrs,
+                    domains,
                     settlements,
                 },
             releasing,
         } = teardown;
         drop(windows);
+        drop(registrations);
         if !removed.qps.is_empty() {
             for worker in &self.workers {
                 worker.remove(&removed.qps);
@@ -282,6 +286,7 @@ impl Engine {
         }
         drop(qps);
         drop(mrs);
+        drop(domains);
         self.registry.settle(settlements);
         self.retry_lingering();
         drop(releasing);
@@ -300,14 +305,18 @@ impl Engine {
             garbage:
                 registry::Garbage {
                     windows,
+                    registrations,
                     qps,
                     mrs,
+                    domains,
                     settlements,
                 },
             releasing,
         } = teardown;
         drop(windows);
+        drop(registrations);
         drop(qps);
+        drop(domains);
         self.releaser
             .release(releaser::Deferred { mrs, settlements });
         drop(releasing);

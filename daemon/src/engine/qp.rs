@@ -50,6 +50,9 @@ pub struct QpOptions {
     pub recv_depth: u32,
     pub max_sge: u32,
     pub max_inline: u32,
+    /// A protection domain of the session's own, by the number the session calls it
+    /// (`None`: the daemon's protection domain of the device).
+    pub domain: Option<u32>,
 }
 
 impl Default for QpOptions {
@@ -59,6 +62,7 @@ impl Default for QpOptions {
             recv_depth: 128,
             max_sge: 4,
             max_inline: 0,
+            domain: None,
         }
     }
 }
@@ -128,6 +132,9 @@ pub struct QueuePairRecord {
     pub owner_uid: u32,
     pub device: String,
     pub options: QpOptions,
+    /// The session's own domain it is in (its number and id), if not the daemon's:
+    /// its requests use the session's registrations in that domain.
+    pub domain: Option<(u32, super::registry::DomainId)>,
     // Field order is drop order: windows bound through the QP, then the QP (rxe blocks
     // destroying a QP with a valid type-2 window), then its CQ.
     /// Memory windows bound through this QP for peers, by export id.
@@ -185,9 +192,15 @@ fn random_psn() -> Result<u32, EngineError> {
     Ok(u32::from_le_bytes(b) & 0x00ff_ffff)
 }
 
-/// Creates the provider objects and the ring of a new QP (RESET state).
+/// Creates the provider objects and the ring of a new QP (RESET state), in the
+/// session's domain `domain` (number, id, protection domain) or the device's own PD.
 pub fn create(
     entry: &DeviceEntry,
+    domain: Option<(
+        u32,
+        super::registry::DomainId,
+        Arc<dyn crate::provider::ProtectionDomain>,
+    )>,
     session: super::SessionId,
     owner_uid: u32,
     options: QpOptions,
@@ -196,10 +209,9 @@ pub fn create(
     options.check(entry.device.as_ref())?;
     let gid = select_gid(entry)?;
     let port = entry.device.query_port(entry.port)?;
-    let cq = entry
-        .pd
-        .create_cq(options.send_depth + options.recv_depth)?;
-    let qp = entry.pd.create_qp(QpInit {
+    let pd = domain.as_ref().map_or(&entry.pd, |(_, _, pd)| pd);
+    let cq = pd.create_cq(options.send_depth + options.recv_depth)?;
+    let qp = pd.create_qp(QpInit {
         send_cq: Arc::clone(&cq),
         recv_cq: Arc::clone(&cq),
         max_send_wr: options.send_depth,
@@ -234,6 +246,7 @@ pub fn create(
         owner_uid,
         device: entry.device.name().to_owned(),
         options,
+        domain: domain.map(|(number, id, _)| (number, id)),
         exports: Mutex::new(BTreeMap::new()),
         qp,
         cq,

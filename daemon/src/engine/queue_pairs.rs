@@ -219,6 +219,13 @@ impl Engine {
             ));
         }
         let q = self.registry.own_qp(owner, qp_id)?;
+        if let Some((number, _)) = q.domain {
+            return Err(EngineError::NotSupported(format!(
+                "queue pair {qp_id} is in the session's domain {number}: its peers reach the \
+                 session's memory through the rkeys of that domain's registrations \
+                 (Region.Register), not through exports"
+            )));
+        }
         let (mr, device) = self.registry.own_region_mr(owner, region)?;
         if device != q.device {
             return Err(EngineError::InvalidArgument(format!(

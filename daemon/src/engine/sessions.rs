@@ -82,6 +82,50 @@ impl Engine {
         Ok(self.release_later(teardown))
     }
 
+    /// Registers `span` of region `id` (`owner`'s connection's; offsets into the region,
+    /// `span.iova` the address requests and peers name it by) in domain `number` of the
+    /// region's session on the region's device, with `access` (remote rights included),
+    /// within the `registrations` limit of `limits`. Its rkey works through the session's
+    /// queue pairs in that domain, and no other queue pair.
+    pub fn register(
+        &self,
+        owner: &Owner,
+        limits: &Limits,
+        id: RegionId,
+        number: u32,
+        span: Span,
+        access: Access,
+    ) -> Result<RegistrationHandout, EngineError> {
+        if number == 0 {
+            return Err(EngineError::InvalidArgument(
+                "domain 0 is the daemon's own protection domain: a session's domains are \
+                 numbered from 1"
+                    .into(),
+            ));
+        }
+        access
+            .check_consistent()
+            .map_err(EngineError::InvalidArgument)?;
+        let (_, device) = self.registry.own_region_mr(owner, id)?;
+        let entry = self.device(&device)?;
+        self.registry
+            .register(owner, limits, id, (entry, number), span, access)
+    }
+
+    /// Removes registration `registration` of region `id` (`owner`'s connection's); once
+    /// this returns its rkey reaches nothing (but for requests of the session's own still
+    /// running that use it: it goes when they complete).
+    pub fn deregister(
+        &self,
+        owner: &Owner,
+        id: RegionId,
+        registration: RegistrationId,
+    ) -> Result<(), EngineError> {
+        let teardown = self.registry.deregister(owner, id, registration)?;
+        self.release(teardown);
+        Ok(())
+    }
+
     /// Creates an access key for region `id` (`owner`'s connection's), within `limits`;
     /// returns the token and the key's id.
     pub fn share(

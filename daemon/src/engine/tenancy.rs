@@ -146,6 +146,7 @@ fn describe(kind: QuotaKind) -> &'static str {
         QuotaKind::Keys => "access keys",
         QuotaKind::Qps => "queue pairs",
         QuotaKind::Exports => "exports (memory windows)",
+        QuotaKind::Registrations => "registrations in protection domains of its own",
     }
 }
 

@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 use super::{
     Access, CompletionQueue, Device, MemoryRegion, MemoryWindow, MwType, ProtectionDomain, QpInit,
     QpState, QueuePair, RecvWr, RemoteEndpoint, RtrAttributes, RtsAttributes, SendOp, SendWr, Sge,
-    WcOpcode, WcStatus, WorkCompletion,
+    Span, WcOpcode, WcStatus, WorkCompletion,
 };
 use crate::memory::SharedMemory;
 
@@ -32,6 +32,7 @@ pub fn run_all(dev: &dyn Device) {
     mr_rkey_without_remote_rights_is_refused(dev);
     bad_lkey_is_a_local_protection_error(dev);
     a_registration_with_a_bound_window_lingers(dev);
+    a_span_under_an_iova_is_reached_through_its_pd_only(dev);
     assert_eq!(
         dev.object_counts(),
         base,
@@ -499,4 +500,99 @@ fn a_registration_with_a_bound_window_lingers(dev: &dyn Device) {
     assert!(dev.lingering().is_empty());
     drop((qp, cq, _pd, a));
     assert_eq!(dev.object_counts(), base);
+}
+
+/// A registration of part of a memory under an address of the client's choosing (what
+/// `ibv_reg_mr` of a verbs program's buffer becomes in rdmad): its rkey reaches exactly
+/// those bytes, named by that address, and only through a queue pair of its own PD; its
+/// lkey names them in local requests by that address too.
+fn a_span_under_an_iova_is_reached_through_its_pd_only(dev: &dyn Device) {
+    const IOVA: u64 = 0x7f00_dead_1000;
+    let span = Span {
+        offset: 4096,
+        len: 4096,
+        iova: IOVA,
+    };
+    let remote = Access::LOCAL_WRITE
+        .union(Access::REMOTE_WRITE)
+        .union(Access::REMOTE_READ);
+    let register = |side: &Side| {
+        side._pd
+            .register_span(Arc::clone(side.mr.memory()), span, remote)
+            .expect("register_span")
+    };
+
+    let (a, b) = pair(dev, 3 * 4096);
+    let reg = register(&b);
+    assert_eq!((reg.addr(), reg.len()), (IOVA, 4096));
+    a.write(0, b"by iova");
+    a.post(
+        20,
+        SendOp::Write {
+            remote_addr: IOVA + 10,
+            rkey: reg.rkey(),
+            imm: None,
+        },
+        vec![a.sge(0, 7)],
+    );
+    assert_eq!(a.completion().status, WcStatus::Success);
+    assert_eq!(
+        b.read(4096 + 10, 7),
+        b"by iova",
+        "landed at the span's offset"
+    );
+
+    // A local request names the span's bytes by the iova too.
+    a.qp.post_recv(&[RecvWr {
+        wr_id: 21,
+        sges: vec![a.sge(100, 7)],
+    }])
+    .unwrap();
+    b.qp.post_send(&[SendWr {
+        wr_id: 22,
+        op: SendOp::Send { imm: None },
+        sges: vec![Sge {
+            addr: IOVA + 10,
+            length: 7,
+            lkey: reg.lkey(),
+        }],
+        signaled: true,
+    }])
+    .unwrap();
+    assert_eq!(b.completion().status, WcStatus::Success);
+    assert_eq!(a.completion().status, WcStatus::Success);
+    assert_eq!(a.read(100, 7), b"by iova");
+
+    // Past the span's end: a remote access error, and nothing beyond the span is touched.
+    a.post(
+        23,
+        SendOp::Write {
+            remote_addr: IOVA + 4096 - 4,
+            rkey: reg.rkey(),
+            imm: None,
+        },
+        vec![a.sge(0, 8)],
+    );
+    assert_eq!(a.completion().status, WcStatus::RemoteAccessError);
+    assert_eq!(b.read(8192, 8), [0u8; 8]);
+    assert_eq!(b.read(4096 + 4092, 4), [0u8; 4]);
+    drop(reg);
+
+    // Through a queue pair of another PD the rkey reaches nothing.
+    let (c, d) = pair(dev, 4096);
+    let (_x, y) = pair(dev, 3 * 4096);
+    let reg = register(&y);
+    c.write(0, b"intruder");
+    c.post(
+        24,
+        SendOp::Write {
+            remote_addr: IOVA,
+            rkey: reg.rkey(),
+            imm: None,
+        },
+        vec![c.sge(0, 8)],
+    );
+    assert_eq!(c.completion().status, WcStatus::RemoteAccessError);
+    assert_eq!(y.read(4096, 8), [0u8; 8]);
+    assert_eq!(d.read(0, 8), [0u8; 8]);
 }

@@ -187,9 +187,22 @@ impl Lingering {
 
 /// A protection domain: the scope of memory registrations, windows and QPs.
 pub trait ProtectionDomain: Send + Sync + fmt::Debug {
-    /// Registers the whole of `memory` with `access`. The region keeps `memory` mapped and
-    /// the PD alive until it is dropped (deregistered).
-    fn register(&self, memory: Arc<SharedMemory>, access: Access) -> Result<Arc<dyn MemoryRegion>>;
+    /// Registers the whole of `memory` with `access`, known to the device by the
+    /// daemon's own address of it. The region keeps `memory` mapped and the PD alive until
+    /// it is dropped (deregistered).
+    fn register(&self, memory: Arc<SharedMemory>, access: Access) -> Result<Arc<dyn MemoryRegion>> {
+        let span = Span::whole(&memory);
+        self.register_span(memory, span, access)
+    }
+
+    /// Registers the part of `memory` that `span` names, known to the device (in work
+    /// requests, and to peers with the rkey) by `span.iova` (`ibv_reg_mr_iova2`).
+    fn register_span(
+        &self,
+        memory: Arc<SharedMemory>,
+        span: Span,
+        access: Access,
+    ) -> Result<Arc<dyn MemoryRegion>>;
 
     /// Allocates an unbound memory window.
     fn alloc_mw(&self, kind: MwType) -> Result<Arc<dyn MemoryWindow>> {
@@ -226,14 +239,20 @@ pub trait MemoryRegion: Send + Sync + fmt::Debug {
     fn lkey(&self) -> u32;
     fn rkey(&self) -> u32;
     fn access(&self) -> Access;
-    /// The memory behind the registration (all of it is registered).
+    /// The memory behind the registration.
     fn memory(&self) -> &Arc<SharedMemory>;
-    /// The address the device knows the region by (the daemon's mapping).
-    fn addr(&self) -> u64 {
-        self.memory().addr()
+    /// Which part of the memory is registered, and the address the device knows it by
+    /// (by default all of it, at the daemon's own address).
+    fn span(&self) -> Span {
+        Span::whole(self.memory())
     }
+    /// The address the device knows the registration's first byte by.
+    fn addr(&self) -> u64 {
+        self.span().iova
+    }
+    /// Bytes registered.
     fn len(&self) -> usize {
-        self.memory().len()
+        self.span().len
     }
     fn is_empty(&self) -> bool {
         self.len() == 0

@@ -81,6 +81,55 @@ impl fmt::Debug for Access {
     }
 }
 
+/// The part of a memory a registration covers — `len` bytes from `offset` — and the
+/// address the device knows its first byte by (the iova: the daemon's own address of it
+/// for the daemon's regions, the client's address of it for a client's registration).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Span {
+    pub offset: usize,
+    pub len: usize,
+    pub iova: u64,
+}
+
+impl Span {
+    /// All of `memory`, at the daemon's address of it.
+    pub fn whole(memory: &crate::memory::SharedMemory) -> Span {
+        Span {
+            offset: 0,
+            len: memory.len(),
+            iova: memory.addr(),
+        }
+    }
+
+    /// Refuses a span that is empty, reaches past `memory_len`, or whose addresses would
+    /// wrap, as a device refuses such a registration.
+    pub fn check(&self, memory_len: usize) -> Result<(), String> {
+        let inside = self
+            .offset
+            .checked_add(self.len)
+            .is_some_and(|end| end <= memory_len);
+        if self.len == 0 || !inside {
+            return Err(format!(
+                "{} bytes from offset {} do not lie inside the memory ({memory_len} bytes)",
+                self.len, self.offset
+            ));
+        }
+        if self.iova.checked_add(self.len as u64).is_none() {
+            return Err(format!(
+                "iova {:#x} + {} bytes wraps around the address space",
+                self.iova, self.len
+            ));
+        }
+        Ok(())
+    }
+
+    /// Whether `[offset, offset + len)` of the memory lies inside the span.
+    pub fn covers(&self, offset: u64, len: u64) -> bool {
+        let (start, end) = (self.offset as u64, (self.offset + self.len) as u64);
+        offset >= start && offset.checked_add(len).is_some_and(|e| e <= end)
+    }
+}
+
 /// Atomic operation support.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum AtomicSupport {

@@ -39,14 +39,16 @@ struct Backing {
 
 static BACKINGS: Mutex<Vec<Backing>> = Mutex::new(Vec::new());
 
-/// What a work request needs of an MR: the region behind it and where the MR lies.
+/// What a work request needs of an MR: the region behind it and where the MR lies in it.
 #[derive(Debug, Clone, Copy)]
 pub struct Key {
     pub region: u64,
-    /// Address of the region's first byte in the program.
-    pub backing_start: usize,
-    pub addr: usize,
-    pub length: usize,
+    /// Where the MR's first byte lies in the region.
+    pub region_offset: u64,
+    /// The address work requests name the MR's first byte by (its iova: the buffer's
+    /// address unless `ibv_reg_mr_iova` said otherwise).
+    pub iova: u64,
+    pub length: u64,
     pub context: usize,
 }
 
@@ -57,12 +59,25 @@ static KEYS: Mutex<Vec<(u32, Key)>> = Mutex::new(Vec::new());
 pub fn translate(context: usize, lkey: u32, addr: u64, length: u32) -> Option<(u64, u64)> {
     let keys = lock(&KEYS);
     let (_, k) = keys.iter().find(|(l, _)| *l == lkey)?;
-    let addr = usize::try_from(addr).ok()?;
-    let end = addr.checked_add(length as usize)?;
-    if k.context != context || addr < k.addr || end > k.addr + k.length {
+    let end = addr.checked_add(u64::from(length))?;
+    if k.context != context || addr < k.iova || end > k.iova + k.length {
         return None;
     }
-    Some((k.region, (addr - k.backing_start) as u64))
+    Some((k.region, k.region_offset + (addr - k.iova)))
+}
+
+/// rdmad's letters for the access flags of an MR (`Region.Register`'s `access`).
+fn access_letters(access: c_uint) -> String {
+    [
+        (sys::ibv_access_flags_IBV_ACCESS_LOCAL_WRITE, 'l'),
+        (sys::ibv_access_flags_IBV_ACCESS_REMOTE_READ, 'r'),
+        (sys::ibv_access_flags_IBV_ACCESS_REMOTE_WRITE, 'w'),
+        (sys::ibv_access_flags_IBV_ACCESS_REMOTE_ATOMIC, 'a'),
+    ]
+    .iter()
+    .filter(|(flag, _)| access & flag != 0)
+    .map(|(_, letter)| *letter)
+    .collect()
 }
 
 fn read_maps() -> Result<Vec<maps::Mapping>, String> {
@@ -375,8 +390,34 @@ fn reg_mr(
             backings.len() - 1
         }
     };
-    backings[index].mrs += 1;
+    // The MR itself: a registration of its bytes of the region in the PD's domain, under
+    // its iova and with its rights. Its rkey works through this PD's queue pairs only.
     let backing_start = backings[index].start;
+    let region_offset = (begin - backing_start) as u64;
+    let registered = match backend::backend() {
+        Ok(b) => b
+            .register(
+                &backings[index].region,
+                pd_raw.handle,
+                (region_offset, length as u64, iova),
+                &access_letters(access),
+            )
+            .map_err(|(quota, e)| (if quota { libc::ENOMEM } else { libc::EINVAL }, e)),
+        Err(e) => Err((libc::ECONNREFUSED, e)),
+    };
+    let (registration, rkey) = match registered {
+        Ok(r) => r,
+        Err((errno, e)) => {
+            if backings[index].mrs == 0 {
+                // The backing was made for this MR: give it back.
+                let b = backings.remove(index);
+                drop(backings);
+                release_backing(b);
+            }
+            return fail(errno, &e);
+        }
+    };
+    backings[index].mrs += 1;
     let region = rdmad_client::names::object_id(backings[index].region.as_str()).unwrap_or(0);
     static NEXT_KEY: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(1);
     let key = NEXT_KEY.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
@@ -384,9 +425,9 @@ fn reg_mr(
         key,
         Key {
             region,
-            backing_start,
-            addr: begin,
-            length,
+            region_offset,
+            iova,
+            length: length as u64,
             context: context_ptr,
         },
     ));
@@ -398,12 +439,12 @@ fn reg_mr(
             length: length as u64,
             handle: key,
             lkey: key,
-            // Remote keys come with queue pairs (docs/verbs.md).
-            rkey: 0,
+            rkey,
         },
         backing_start,
         iova,
         access,
+        registration,
     }));
     registry::add_mr(mr);
     // SAFETY: `mr` is the Box just made; `raw` is its first field.
@@ -454,12 +495,25 @@ pub unsafe extern "C" fn __rdmad_ibv_dereg_mr(mr: *mut sys::ibv_mr) -> c_int {
     let Some(i) = backings.iter().position(|b| b.start == mr.backing_start) else {
         return 0;
     };
+    // The rkey dies before the call returns.
+    if let Ok(backend) = backend::backend() {
+        if let Err(e) = backend.deregister(&backings[i].region, mr.registration) {
+            eprintln!("rdmad-verbs: ibv_dereg_mr: {e}");
+        }
+    }
     backings[i].mrs -= 1;
     if backings[i].mrs > 0 {
         return 0;
     }
     let b = backings.remove(i);
     drop(backings);
+    release_backing(b);
+    0
+}
+
+/// Puts private memory back under a backing no MR uses any more (contents kept) and
+/// frees its region.
+fn release_backing(b: Backing) {
     // Private memory goes back only where the program still has our mapping: a range it
     // unmapped (or mapped something else over) is left alone.
     if read_maps().is_ok_and(|m| maps::still_backed(&m, b.start, b.start + b.len, b.inode)) {
@@ -478,7 +532,6 @@ pub unsafe extern "C" fn __rdmad_ibv_dereg_mr(mr: *mut sys::ibv_mr) -> c_int {
         }
     }
     drop(b.fd);
-    0
 }
 
 symver! {

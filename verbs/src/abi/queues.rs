@@ -252,12 +252,13 @@ pub unsafe extern "C" fn __rdmad_ibv_create_qp(
         }
     };
     let max_sge = cap.max_send_sge.max(cap.max_recv_sge).max(1);
+    // The PD's handle is its domain in the session: the QP uses the registrations of its
+    // own PD's MRs, and its peer reaches their rkeys.
     let (path, ring, endpoint, info) = match backend.create_queue_pair(
         &context.session,
         &context.info.name,
-        cap.max_send_wr.max(1),
-        cap.max_recv_wr.max(1),
-        max_sge,
+        pd_raw.handle,
+        (cap.max_send_wr.max(1), cap.max_recv_wr.max(1), max_sge),
     ) {
         Ok(q) => q,
         Err((quota, e)) => {

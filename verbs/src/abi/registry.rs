@@ -33,6 +33,9 @@ pub struct Context {
     pub async_read: std::os::fd::OwnedFd,
 }
 
+/// A protection domain. Its `handle` (unique in the process) is the number of its domain
+/// in the context's rdmad session: its MRs are registered there and its QPs made there,
+/// so an MR's rkey works through this PD's QPs only.
 #[repr(C)]
 pub struct Pd {
     pub raw: sys::ibv_pd,
@@ -47,6 +50,9 @@ pub struct Mr {
     /// The address the MR's first byte has for work requests (`ibv_reg_mr_iova`).
     pub iova: u64,
     pub access: u32,
+    /// Its registration in rdmad (`Region.Register` of the backing's region, in the
+    /// PD's domain), which its rkey belongs to.
+    pub registration: u64,
 }
 
 #[repr(C)]

@@ -5,7 +5,7 @@
 pub mod rights;
 mod served;
 #[cfg(test)]
-mod tests;
+pub(super) mod tests;
 pub mod validate;
 pub mod wakeup;
 pub mod worker;

@@ -223,9 +223,15 @@ impl ServedQp {
                 continue;
             }
             let wr = self.next_wr;
-            match validate::check_length(&sub, self.record.max_message)
-                .and_then(|()| validate::check(&sub, rights, self.record.options.max_sge, wr))
-            {
+            match validate::check_length(&sub, self.record.max_message).and_then(|()| {
+                validate::check(
+                    &sub,
+                    rights,
+                    self.record.options.max_sge,
+                    self.record.domain.map(|(_, id)| id),
+                    wr,
+                )
+            }) {
                 Ok(checked) => {
                     self.next_wr += 1;
                     match checked.work {

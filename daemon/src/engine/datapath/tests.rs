@@ -12,7 +12,8 @@ use crate::config::{Config, ProviderChoice};
 use crate::engine::qp::{QpOptions, QueuePairRecord};
 use crate::engine::{Engine, Limits, Owner};
 
-fn ring_of(q: &QueuePairRecord) -> QueuePairRing {
+/// The client's end of `q`'s rings, as `CreateQueuePair` hands it out.
+pub(in crate::engine) fn ring_of(q: &QueuePairRecord) -> QueuePairRing {
     QueuePairRing::new(
         q.ring.fd().try_clone_to_owned().unwrap(),
         q.doorbell.client_end().try_clone_to_owned().unwrap(),

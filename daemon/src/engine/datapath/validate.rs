@@ -9,15 +9,21 @@ use std::sync::Arc;
 
 use rdmad_client::ring::{Opcode, Status, Submission};
 
+use crate::engine::ids::DomainId;
 use crate::engine::RegionId;
-use crate::provider::{MemoryRegion, RecvWr, SendOp, SendWr, Sge};
+use crate::provider::{Access, MemoryRegion, RecvWr, SendOp, SendWr, Sge};
 
 /// A region as a session may use it on the data path.
 #[derive(Debug, Clone)]
 pub struct RegionRight {
+    /// Its registration in the daemon's protection domain: what queue pairs in that
+    /// domain use.
     pub mr: Arc<dyn MemoryRegion>,
     /// Owned, or attached read-write.
     pub writable: bool,
+    /// Its registrations in the session's own domains: what queue pairs in those domains
+    /// use, each request inside one of them.
+    pub in_domains: Vec<(DomainId, Arc<dyn MemoryRegion>)>,
 }
 
 /// What a session's QPs may touch, by region id.
@@ -63,12 +69,14 @@ pub fn check_length(s: &Submission, max_message: u64) -> Result<(), Refusal> {
 pub const TOO_MANY_SGES: u32 = 2;
 
 /// Checks and translates `s`, for a queue pair that takes at most `max_sge` SGEs per
-/// request. `wr_id` is the daemon's own id for the request (the client's stays in the
-/// daemon's bookkeeping).
+/// request and lives in the session's domain `domain` (or the daemon's, `None`). `wr_id`
+/// is the daemon's own id for the request (the client's stays in the daemon's
+/// bookkeeping).
 pub fn check(
     s: &Submission,
     rights: &RegionRights,
     max_sge: u32,
+    domain: Option<DomainId>,
     wr_id: u64,
 ) -> Result<Checked, Refusal> {
     if s.sges.len() > max_sge as usize {
@@ -92,19 +100,32 @@ pub fn check(
         if device_writes && !right.writable {
             return Err(denied);
         }
-        let end = sge
-            .offset
-            .checked_add(u64::from(sge.length))
-            .ok_or(denied)?;
-        if end > right.mr.len() as u64 {
+        let length = u64::from(sge.length);
+        let mr = match domain {
+            None => Some(&right.mr),
+            // The registration in the queue pair's domain that holds the range, with the
+            // local write right if the device writes.
+            Some(d) => right
+                .in_domains
+                .iter()
+                .find(|(id, mr)| {
+                    *id == d
+                        && mr.span().covers(sge.offset, length)
+                        && (!device_writes || mr.access().contains(Access::LOCAL_WRITE))
+                })
+                .map(|(_, mr)| mr),
+        }
+        .ok_or(denied)?;
+        let span = mr.span();
+        if !span.covers(sge.offset, length) {
             return Err(denied);
         }
         sges.push(Sge {
-            addr: right.mr.addr() + sge.offset,
+            addr: mr.addr() + (sge.offset - span.offset as u64),
             length: sge.length,
-            lkey: right.mr.lkey(),
+            lkey: mr.lkey(),
         });
-        pins.push(Arc::clone(&right.mr));
+        pins.push(Arc::clone(mr));
     }
     let op = match s.opcode {
         Opcode::Recv => {
@@ -166,7 +187,14 @@ mod tests {
             let mem = Arc::new(SharedMemory::create(c"v", 8192).unwrap());
             let mr = pd.register(mem, Access::LOCAL_WRITE).unwrap();
             mrs.push(Arc::clone(&mr));
-            rights.insert(RegionId(id), RegionRight { mr, writable });
+            rights.insert(
+                RegionId(id),
+                RegionRight {
+                    mr,
+                    writable,
+                    in_domains: Vec::new(),
+                },
+            );
         }
         (rights, mrs)
     }
@@ -199,6 +227,7 @@ mod tests {
             &sub(Opcode::Send, &[(1, 100, 8), (2, 8000, 192)]),
             &rights,
             4,
+            None,
             42,
         )
         .unwrap();
@@ -233,7 +262,7 @@ mod tests {
             (sub(Opcode::Write, &[(1, 4096, 4097)]), 0),
         ] {
             assert_eq!(
-                check(&s, &rights, 4, 1).map(|_| ()),
+                check(&s, &rights, 4, None, 1).map(|_| ()),
                 denied(detail),
                 "{s:?}"
             );
@@ -243,23 +272,96 @@ mod tests {
     #[test]
     fn read_only_attachments_are_only_sources() {
         let (rights, _mrs) = rights();
-        assert!(check(&sub(Opcode::Send, &[(2, 0, 8)]), &rights, 4, 1).is_ok());
-        assert!(check(&sub(Opcode::Write, &[(2, 0, 8)]), &rights, 4, 1).is_ok());
+        assert!(check(&sub(Opcode::Send, &[(2, 0, 8)]), &rights, 4, None, 1).is_ok());
+        assert!(check(&sub(Opcode::Write, &[(2, 0, 8)]), &rights, 4, None, 1).is_ok());
         for op in [
             Opcode::Recv,
             Opcode::Read,
             Opcode::FetchAdd,
             Opcode::CompareSwap,
         ] {
-            let r = check(&sub(op, &[(2, 0, 8)]), &rights, 4, 1);
+            let r = check(&sub(op, &[(2, 0, 8)]), &rights, 4, None, 1);
             assert_eq!(
                 r.map(|_| ()).unwrap_err().status,
                 Status::RegionAccessDenied,
                 "{op:?}"
             );
             assert!(
-                check(&sub(op, &[(1, 0, 8)]), &rights, 4, 1).is_ok(),
+                check(&sub(op, &[(1, 0, 8)]), &rights, 4, None, 1).is_ok(),
                 "{op:?}"
+            );
+        }
+    }
+
+    /// A queue pair in one of its session's domains uses the registrations of that
+    /// domain: an SGE inside one becomes the registration's address for that byte and its
+    /// lkey; one inside none (or only in another domain's, or, for memory the device
+    /// writes, only in one without local write) is refused.
+    #[test]
+    fn a_queue_pair_in_a_domain_uses_that_domains_registrations() {
+        let (mut rights, mrs) = rights();
+        let memory = Arc::clone(mrs[0].memory());
+        let dev = LoopbackDevice::new("lo-validate-domains");
+        let pd = dev.alloc_pd().unwrap();
+        let span = |offset, len, iova| crate::provider::Span { offset, len, iova };
+        let writable = pd
+            .register_span(
+                Arc::clone(&memory),
+                span(4096, 2048, 0x9000),
+                Access::LOCAL_WRITE,
+            )
+            .unwrap();
+        let read_only = pd
+            .register_span(memory, span(6144, 2048, 0x20000), Access::REMOTE_READ)
+            .unwrap();
+        rights.get_mut(&RegionId(1)).unwrap().in_domains = vec![
+            (DomainId(7), Arc::clone(&writable)),
+            (DomainId(7), Arc::clone(&read_only)),
+        ];
+        let c = check(
+            &sub(Opcode::Recv, &[(1, 4100, 8)]),
+            &rights,
+            4,
+            Some(DomainId(7)),
+            1,
+        )
+        .unwrap();
+        let Work::Recv(wr) = c.work else { panic!() };
+        assert_eq!(
+            wr.sges[0],
+            Sge {
+                addr: 0x9004,
+                length: 8,
+                lkey: writable.lkey()
+            }
+        );
+        let c = check(
+            &sub(Opcode::Send, &[(1, 6150, 8)]),
+            &rights,
+            4,
+            Some(DomainId(7)),
+            1,
+        )
+        .unwrap();
+        let Work::Send(wr) = c.work else { panic!() };
+        assert_eq!(
+            (wr.sges[0].addr, wr.sges[0].lkey),
+            (0x20006, read_only.lkey())
+        );
+        for (s, domain) in [
+            (sub(Opcode::Send, &[(1, 100, 8)]), Some(DomainId(7))),
+            (sub(Opcode::Send, &[(1, 6140, 8)]), Some(DomainId(7))),
+            (sub(Opcode::Recv, &[(1, 6150, 8)]), Some(DomainId(7))),
+            (sub(Opcode::Send, &[(1, 4100, 8)]), Some(DomainId(8))),
+            (sub(Opcode::Send, &[(2, 0, 8)]), Some(DomainId(7))),
+        ] {
+            assert_eq!(
+                check(&s, &rights, 4, domain, 1)
+                    .map(|_| ())
+                    .unwrap_err()
+                    .status,
+                Status::RegionAccessDenied,
+                "{s:?} in {domain:?}"
             );
         }
     }
@@ -274,11 +376,14 @@ mod tests {
         let three = [(1, 0, 8), (1, 8, 8), (1, 16, 8)];
         for op in [Opcode::Send, Opcode::Write, Opcode::Read, Opcode::Recv] {
             for max_sge in [2, 3, 4] {
-                assert!(check(&sub(op, &two), &rights, max_sge, 1).is_ok(), "{op:?}");
+                assert!(
+                    check(&sub(op, &two), &rights, max_sge, None, 1).is_ok(),
+                    "{op:?}"
+                );
             }
             for max_sge in [1, 2] {
                 assert_eq!(
-                    check(&sub(op, &three), &rights, max_sge, 1).map(|_| ()),
+                    check(&sub(op, &three), &rights, max_sge, None, 1).map(|_| ()),
                     Err(Refusal {
                         status: Status::InvalidEntry,
                         detail: TOO_MANY_SGES,
@@ -286,10 +391,13 @@ mod tests {
                     "{op:?}, max_sge {max_sge}"
                 );
             }
-            assert!(check(&sub(op, &three), &rights, 3, 1).is_ok(), "{op:?}");
+            assert!(
+                check(&sub(op, &three), &rights, 3, None, 1).is_ok(),
+                "{op:?}"
+            );
         }
         assert!(
-            check(&sub(Opcode::Send, &[]), &rights, 1, 1).is_ok(),
+            check(&sub(Opcode::Send, &[]), &rights, 1, None, 1).is_ok(),
             "no SGE at all is a zero-length request"
         );
     }

@@ -4,6 +4,7 @@
 
 mod queue_pairs;
 mod regions;
+mod registrations;
 mod sessions;
 mod sharing;
 #[cfg(test)]
@@ -26,9 +27,10 @@ use super::DeviceEntry;
 use super::EngineError;
 use crate::config::QuotaKind;
 use crate::lock::lock;
-use crate::provider::MemoryRegion;
+use crate::provider::{MemoryRegion, ProtectionDomain};
 
-pub use crate::engine::ids::{KeyId, RegionId, SessionId};
+pub use crate::engine::ids::{DomainId, KeyId, RegionId, RegistrationId, SessionId};
+pub use registrations::RegistrationHandout;
 
 /// How a region is attached (and what an access key grants).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -61,9 +63,23 @@ struct Session {
     regions: BTreeSet<RegionId>,
     attachments: BTreeMap<RegionId, AttachMode>,
     qps: BTreeSet<QpId>,
+    /// Its own protection domains, by device and the number the session calls each by.
+    domains: BTreeMap<(String, u32), Domain>,
     /// What its queue pairs may touch, as their worker sees it (kept up to date by
     /// [`Registry::refresh_rights`]).
     rights: Arc<SessionRights>,
+}
+
+/// A protection domain of a session's own (verbs programs get one per `ibv_alloc_pd`):
+/// registrations in it carry remote rights of their own, reachable only through queue
+/// pairs in it. It lives while a registration or queue pair is in it (or one is being
+/// made), and goes with the last.
+#[derive(Debug)]
+struct Domain {
+    id: DomainId,
+    pd: Arc<dyn ProtectionDomain>,
+    /// Registrations and queue pairs in it, and those being made.
+    users: usize,
 }
 
 #[derive(Debug)]
@@ -77,6 +93,8 @@ struct Region {
     attached: BTreeMap<SessionId, AttachMode>,
     /// Windows bound over it for peers: (queue pair, export).
     exports: BTreeSet<(QpId, ExportId)>,
+    /// Its registrations in its session's own protection domains.
+    registrations: BTreeSet<RegistrationId>,
 }
 
 impl Region {
@@ -100,12 +118,15 @@ struct State {
     regions: BTreeMap<RegionId, Region>,
     keys: BTreeMap<KeyId, Key>,
     qps: BTreeMap<QpId, Arc<QueuePairRecord>>,
+    registrations: BTreeMap<RegistrationId, registrations::Registration>,
     usage: HashMap<u32, Usage>,
     last_session: SessionId,
     last_region: RegionId,
     last_key: KeyId,
     last_qp: QpId,
     last_export: ExportId,
+    last_registration: RegistrationId,
+    last_domain: DomainId,
     /// Sessions taken out of the registry whose objects are still being released (see
     /// [`Releasing`]).
     releasing: usize,
@@ -167,8 +188,13 @@ impl TakenWindow {
 #[derive(Default)]
 pub struct Garbage {
     pub windows: Vec<TakenWindow>,
+    /// Registrations in sessions' own domains: their rkeys reach memory the way windows
+    /// do, so they go as early, even when the regions' own registrations go later.
+    pub registrations: Vec<Arc<dyn MemoryRegion>>,
     pub qps: Vec<Arc<QueuePairRecord>>,
     pub mrs: Vec<Arc<dyn MemoryRegion>>,
+    /// Sessions' own protection domains nothing is in any more.
+    pub domains: Vec<Arc<dyn ProtectionDomain>>,
     /// Given back once `mrs` are gone: [`Registry::settle`].
     pub settlements: Vec<Settlement>,
 }
@@ -212,8 +238,10 @@ impl Drop for Releasing<'_> {
 impl Garbage {
     fn extend(&mut self, other: Garbage) {
         self.windows.extend(other.windows);
+        self.registrations.extend(other.registrations);
         self.qps.extend(other.qps);
         self.mrs.extend(other.mrs);
+        self.domains.extend(other.domains);
         self.settlements.extend(other.settlements);
     }
 

@@ -24,17 +24,35 @@ impl Registry {
             rights
         };
         let unreserve = |registry: &Registry| registry.unreserve(owner.uid, &[(QuotaKind::Qps, 1)]);
-        let record = match qp::create(entry, session, owner.uid, options, rights) {
+        // In a domain of the session's own, or in the daemon's protection domain.
+        let domain_key = options.domain.map(|n| (entry.device.name().to_owned(), n));
+        let domain = match options.domain {
+            Some(number) => match self.take_domain_use(owner, session, entry, number) {
+                Ok((id, pd)) => Some((number, id, pd)),
+                Err(e) => {
+                    unreserve(self);
+                    return Err(e);
+                }
+            },
+            None => None,
+        };
+        let give_back = |registry: &Registry| {
+            if let Some(key) = &domain_key {
+                registry.give_back_domain_use(session, key);
+            }
+            unreserve(registry);
+        };
+        let record = match qp::create(entry, domain, session, owner.uid, options, rights) {
             Ok(r) => Arc::new(r),
             Err(e) => {
-                unreserve(self);
+                give_back(self);
                 return Err(e);
             }
         };
         let mut s = self.lock();
         if Self::own_session(&mut s, owner, session).is_err() {
             drop(s);
-            unreserve(self);
+            give_back(self);
             return Err(EngineError::NoSuchObject(format!(
                 "session {session} (closed while the queue pair was made)"
             )));
@@ -85,6 +103,11 @@ impl Registry {
             usage.sub(QuotaKind::Qps, 1);
         }
         Self::forget_idle_user(&mut s, record.owner_uid);
+        if let Some((number, _)) = record.domain {
+            let key = (record.device.clone(), number);
+            let pd = Self::drop_domain_use(&mut s, record.session, &key);
+            garbage.domains.extend(pd);
+        }
         garbage.qps.push(record);
         let removed = Removed {
             qps: vec![id],

@@ -9,8 +9,12 @@ impl Registry {
     /// Removes a region with its keys, attachments and exports; returns its registration
     /// and windows to drop.
     pub(super) fn remove_region(s: &mut State, id: RegionId) -> Option<Garbage> {
-        let region = s.regions.remove(&id)?;
         let mut garbage = Garbage::default();
+        let registrations = s.regions.get(&id)?.registrations.clone();
+        for registration in registrations {
+            Self::remove_registration(s, registration, &mut garbage);
+        }
+        let region = s.regions.remove(&id)?;
         // Windows bound through queue pairs still served (those of removed queue pairs
         // were taken out with them).
         for (qp, export) in &region.exports {
@@ -129,6 +133,7 @@ impl Registry {
                 keys: BTreeSet::new(),
                 attached: BTreeMap::new(),
                 exports: BTreeSet::new(),
+                registrations: BTreeSet::new(),
             },
         );
         Self::refresh_rights(&s, session);

@@ -25,6 +25,7 @@ impl Registry {
                 regions: BTreeSet::new(),
                 attachments: BTreeMap::new(),
                 qps: BTreeSet::new(),
+                domains: BTreeMap::new(),
                 rights: Arc::default(),
             },
         );
@@ -112,6 +113,10 @@ impl Registry {
                 removed.regions.push(region);
             }
         }
+        // Whatever was in its domains is gone with its regions and queue pairs.
+        garbage
+            .domains
+            .extend(session.domains.into_values().map(|d| d.pd));
         if let Some(usage) = s.usage.get_mut(&session.owner.uid) {
             usage.sub(QuotaKind::Sessions, 1);
         }
@@ -134,8 +139,23 @@ impl Registry {
         let rights = owned
             .chain(attached)
             .filter_map(|(id, writable)| {
-                let mr = Arc::clone(&s.regions.get(&id)?.mr);
-                Some((id, RegionRight { mr, writable }))
+                let region = s.regions.get(&id)?;
+                let mr = Arc::clone(&region.mr);
+                // Registrations are their own session's: an attaching session's queue pairs
+                // are in none of its domains.
+                let in_domains = if region.session == session {
+                    Self::registrations_of(s, id)
+                } else {
+                    Vec::new()
+                };
+                Some((
+                    id,
+                    RegionRight {
+                        mr,
+                        writable,
+                        in_domains,
+                    },
+                ))
             })
             .collect();
         x.rights.store(rights);

@@ -42,7 +42,7 @@ use super::counters::{Counters, Tracked};
 use super::{
     Access, AtomicSupport, CompletionQueue, Device, DeviceAttributes, GidEntry, GidType, Lingering,
     LinkLayer, MemoryRegion, MemoryWindow, MwType, ObjectCounts, ObjectKind, PortAttributes,
-    PortState, ProtectionDomain, ProviderError, ProviderKind, QpInit, QueuePair, Result,
+    PortState, ProtectionDomain, ProviderError, ProviderKind, QpInit, QueuePair, Result, Span,
 };
 use crate::lock::lock;
 use crate::memory::SharedMemory;
@@ -66,8 +66,11 @@ const PORT_MTU: u32 = 4096;
 /// A registration as the device's translation table sees it.
 #[derive(Debug, Clone)]
 struct Registration {
+    /// The address the device knows its first byte by (the iova).
     addr: u64,
     len: u64,
+    /// Where its first byte lies in `memory`.
+    offset: usize,
     access: Access,
     /// The PD it was registered in ([`PdInner::id`]).
     pd: u64,
@@ -79,6 +82,11 @@ struct Registration {
 impl Registration {
     fn contains(&self, addr: u64, len: u64) -> bool {
         range_inside(addr, len, self.addr, self.len)
+    }
+
+    /// Where `addr` (inside the registration) lies in its memory.
+    fn memory_offset(&self, addr: u64) -> usize {
+        (addr - self.addr) as usize + self.offset
     }
 }
 
@@ -455,12 +463,19 @@ struct PdInner {
 }
 
 impl ProtectionDomain for LoopbackPd {
-    fn register(&self, memory: Arc<SharedMemory>, access: Access) -> Result<Arc<dyn MemoryRegion>> {
+    fn register_span(
+        &self,
+        memory: Arc<SharedMemory>,
+        span: Span,
+        access: Access,
+    ) -> Result<Arc<dyn MemoryRegion>> {
         crate::test_hooks::slow_device("ibv_reg_mr");
         let device = &self.0.device;
         let name = &device.name;
         access
             .check_consistent()
+            .map_err(|message| ProviderError::invalid(name, message))?;
+        span.check(memory.len())
             .map_err(|message| ProviderError::invalid(name, message))?;
         if device.counters.snapshot().mrs >= u64::from(MAX_MR) {
             return Err(out_of_resources(name, "ibv_reg_mr"));
@@ -468,8 +483,9 @@ impl ProtectionDomain for LoopbackPd {
         let (index, turn) = device.alloc_index("ibv_reg_mr")?;
         let key = make_key(index, turn, 0x9e);
         let registration = Registration {
-            addr: memory.addr(),
-            len: memory.len() as u64,
+            addr: span.iova,
+            len: span.len as u64,
+            offset: span.offset,
             access,
             pd: self.0.id,
             memory: Arc::clone(&memory),
@@ -478,6 +494,7 @@ impl ProtectionDomain for LoopbackPd {
         Ok(Arc::new(LoopbackMr {
             key,
             access,
+            span,
             memory,
             _tracked: device.counters.track(ObjectKind::Mr),
             pd: Arc::clone(&self.0),
@@ -528,6 +545,7 @@ impl ProtectionDomain for LoopbackPd {
 struct LoopbackMr {
     key: u32,
     access: Access,
+    span: Span,
     memory: Arc<SharedMemory>,
     _tracked: Tracked,
     pd: Arc<PdInner>,
@@ -548,6 +566,9 @@ impl MemoryRegion for LoopbackMr {
     }
     fn memory(&self) -> &Arc<SharedMemory> {
         &self.memory
+    }
+    fn span(&self) -> Span {
+        self.span
     }
 }
 

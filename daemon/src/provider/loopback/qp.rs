@@ -986,7 +986,7 @@ fn resolve_remote(
     let pd = responder.pd.id;
     if let Some(reg) = device.registration(rkey) {
         let ok = reg.pd == pd && reg.access.contains(needed) && reg.contains(addr, len);
-        return ok.then(|| (Arc::clone(&reg.memory), (addr - reg.addr) as usize));
+        return ok.then(|| (Arc::clone(&reg.memory), reg.memory_offset(addr)));
     }
     let entry = lock(&device.windows).get(&(rkey >> 8)).cloned()?;
     let binding = entry.binding?;
@@ -1000,7 +1000,7 @@ fn resolve_remote(
     }
     let reg = device.registration(binding.mr_key)?;
     reg.contains(addr, len)
-        .then(|| (Arc::clone(&reg.memory), (addr - reg.addr) as usize))
+        .then(|| (Arc::clone(&reg.memory), reg.memory_offset(addr)))
 }
 
 /// A local SGE's registration, if `lkey` is registered in `pd`, covers the range and grants
@@ -1073,7 +1073,7 @@ fn local_piece(
         .registration(lkey)
         .filter(|reg| reg.pd == pd && reg.access.contains(needed) && reg.contains(addr, len))
         .map(|reg| {
-            let offset = (addr - reg.addr) as usize;
+            let offset = reg.memory_offset(addr);
             (reg, offset)
         })
 }
@@ -1148,7 +1148,7 @@ fn plan_scatter(
         let n = remaining.min(sge.length as usize);
         let reg = local(device, pd, sge, n as u64, Access::LOCAL_WRITE)
             .ok_or(ScatterError::Protection)?;
-        let offset = (sge.addr - reg.addr) as usize;
+        let offset = reg.memory_offset(sge.addr);
         plan.push((reg, offset, n));
         remaining -= n;
     }

@@ -27,7 +27,7 @@ use rdma_sys::{
     ibv_alloc_pd, ibv_close_device, ibv_context, ibv_dealloc_pd, ibv_dereg_mr, ibv_device,
     ibv_device_attr, ibv_device_cap_flags, ibv_free_device_list, ibv_get_device_list,
     ibv_get_device_name, ibv_gid, ibv_mr, ibv_mw, ibv_mw_type, ibv_open_device, ibv_pd,
-    ibv_port_attr, ibv_port_state, ibv_query_device, ibv_query_gid, ibv_reg_mr,
+    ibv_port_attr, ibv_port_state, ibv_query_device, ibv_query_gid, ibv_reg_mr_iova2,
 };
 
 mod cq;
@@ -38,7 +38,7 @@ use super::{
     mtu_bytes, Access, AtomicSupport, CompletionQueue, Device, DeviceAttributes, GidEntry, GidType,
     Lingering, LinkLayer, MemoryRegion, MemoryWindow, MwType, ObjectCounts, ObjectKind,
     PortAttributes, PortState, ProtectionDomain, ProviderError, ProviderKind, QpInit, QueuePair,
-    Result,
+    Result, Span,
 };
 use crate::memory::SharedMemory;
 
@@ -614,22 +614,32 @@ impl Drop for PdInner {
 }
 
 impl ProtectionDomain for VerbsPd {
-    fn register(&self, memory: Arc<SharedMemory>, access: Access) -> Result<Arc<dyn MemoryRegion>> {
+    fn register_span(
+        &self,
+        memory: Arc<SharedMemory>,
+        span: Span,
+        access: Access,
+    ) -> Result<Arc<dyn MemoryRegion>> {
         let inner = &self.0;
         let name = &inner.context.name;
         access
             .check_consistent()
             .map_err(|message| ProviderError::invalid(name, message))?;
-        let flags = c_int::try_from(access.bits())
-            .map_err(|_| ProviderError::invalid(name, format!("access bits {access:?}")))?;
-        // SAFETY: a live PD; `memory` is a live mapping of `len` bytes that the MR keeps (an
-        // `Arc`) until after `ibv_dereg_mr`, so the device never sees unmapped memory.
+        span.check(memory.len())
+            .map_err(|message| ProviderError::invalid(name, message))?;
+        // SAFETY: `span.check` keeps `[offset, offset + len)` inside the mapping, so the
+        // pointer stays inside (or one past) it.
+        let start = unsafe { memory.as_ptr().add(span.offset) };
+        // SAFETY: a live PD; `[start, start + len)` lies inside a live mapping that the MR
+        // keeps (an `Arc`) until after `ibv_dereg_mr`, so the device never sees unmapped
+        // memory; the iova is only a name the device gives those bytes.
         let mr = unsafe {
-            ibv_reg_mr(
+            ibv_reg_mr_iova2(
                 inner.pd.as_ptr(),
-                memory.as_ptr().cast(),
-                memory.len(),
-                flags,
+                start.cast(),
+                span.len,
+                span.iova,
+                access.bits(),
             )
         };
         let Some(mr) = NonNull::new(mr) else {
@@ -642,6 +652,7 @@ impl ProtectionDomain for VerbsPd {
             lkey,
             rkey,
             access,
+            span,
             _tracked: inner.context.counters.track(ObjectKind::Mr),
             memory,
             pd: Arc::clone(inner),
@@ -713,6 +724,7 @@ struct VerbsMr {
     lkey: u32,
     rkey: u32,
     access: Access,
+    span: Span,
     _tracked: Tracked,
     /// Unmapped only after deregistration (field drops follow `Drop::drop`).
     memory: Arc<SharedMemory>,
@@ -740,6 +752,9 @@ impl MemoryRegion for VerbsMr {
     }
     fn memory(&self) -> &Arc<SharedMemory> {
         &self.memory
+    }
+    fn span(&self) -> Span {
+        self.span
     }
 }
 

@@ -7,6 +7,7 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 mod bodies;
+mod domains;
 mod exports;
 mod rights;
 mod windows;
