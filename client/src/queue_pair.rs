@@ -150,6 +150,44 @@ impl QueuePairRing {
             .ok_or_else(|| io::Error::new(io::ErrorKind::InvalidData, "malformed completion"))
     }
 
+    /// Whether a completion is there to take, without taking it.
+    pub fn has_completion(&self) -> io::Result<bool> {
+        Ok(self.map.load_u32(header::CQ_TAIL)? != self.cq_head)
+    }
+
+    /// Asks the daemon to write the completion channel when it delivers completions (or
+    /// stops asking): for a client that sleeps on the channel itself, in an event loop of
+    /// its own. After asking, look at [`QueuePairRing::has_completion`] before sleeping:
+    /// a completion delivered just before the request finds no wake-up.
+    pub fn request_wakeups(&mut self, on: bool) -> io::Result<()> {
+        self.map
+            .store_u32(header::CQ_FLAGS, if on { ring::CQ_NEED_WAKEUP } else { 0 })?;
+        // Pairs with the worker's (store tail, fence, load flag).
+        std::sync::atomic::fence(std::sync::atomic::Ordering::SeqCst);
+        Ok(())
+    }
+
+    /// The completion channel (the read end of a non-blocking pipe), for a client's own
+    /// `poll`/`epoll`; read it empty with [`QueuePairRing::drain_wakeups`].
+    pub fn completion_fd(&self) -> std::os::fd::BorrowedFd<'_> {
+        self.completions.as_fd()
+    }
+
+    /// Reads the completion channel empty, without waiting. `Ok(false)` once the daemon
+    /// no longer serves the queue pair (its end is closed).
+    pub fn drain_wakeups(&self) -> io::Result<bool> {
+        let mut buf = [0u8; 256];
+        loop {
+            match nix::unistd::read(std::os::fd::AsRawFd::as_raw_fd(&self.completions), &mut buf) {
+                Ok(0) => return Ok(false),
+                Ok(_) => continue,
+                Err(nix::errno::Errno::EAGAIN) => return Ok(true),
+                Err(nix::errno::Errno::EINTR) => continue,
+                Err(e) => return Err(e.into()),
+            }
+        }
+    }
+
     /// Waits up to `timeout` for the next completion, sleeping on the completion channel.
     pub fn wait(&mut self, timeout: Duration) -> io::Result<Option<Completion>> {
         self.wait_with(Wait::Block, timeout)

@@ -137,55 +137,133 @@ mod bodies {
     /// another, each through rdmad (or the server native on the kernel device, `native`) —
     /// exchanges and checks (`-c`) its messages; afterwards nothing of either is left.
     pub async fn ibv_rc_pingpong_through_rdmad(provider: &str) {
-        pingpong(provider, false).await
+        pingpong(provider, false, false).await
+    }
+
+    /// The same, both ends sleeping on completion channels (`-e`: `ibv_req_notify_cq`,
+    /// `ibv_get_cq_event`, `ibv_ack_cq_events`) instead of polling.
+    pub async fn ibv_rc_pingpong_with_completion_events(provider: &str) {
+        pingpong(provider, false, true).await
     }
 
     pub async fn ibv_rc_pingpong_against_a_native_peer(provider: &str) {
         assert_eq!(provider, "verbs", "a native peer needs a kernel device");
-        pingpong(provider, true).await
+        pingpong(provider, true, false).await
     }
 
-    /// perftest's `ib_send_lat` and `ib_send_bw`, unmodified, both ends through rdmad as
-    /// two users: each completes its run and prints its result line.
-    pub async fn perftest_send_through_rdmad(provider: &str) {
+    /// perftest, unmodified, both ends through rdmad as two users: the SEND tests, and
+    /// the RDMA WRITE, READ and atomic tests, whose server hands its peer an rkey before
+    /// either QP is connected. Each completes its run and prints its result line, and
+    /// nothing of either is left in rdmad.
+    pub async fn perftest_through_rdmad(provider: &str) {
         let (bus, _daemon) = start_on(provider, "").await;
         let before = object_counts(&bus).await;
-        let (device, gid) = device_and_gid(&bus).await;
-        for (tool, size, iters) in [("ib_send_lat", "64", "200"), ("ib_send_bw", "65536", "200")] {
-            let port = free_port().to_string();
-            let args = [
-                "exec", "--", tool, "-d", &device, "-x", &gid, "-p", &port, "-s", size, "-n",
-                iters, "-F",
-            ];
-            let server =
-                rdmad_tests::daemon::as_user(Some(NOBODY), &rdmad_tests::binary("rdmactl"))
-                    .args(args)
-                    .env("RDMAD_BUS_ADDRESS", &bus.address)
-                    .stdout(std::process::Stdio::piped())
-                    .stderr(std::process::Stdio::piped())
-                    .spawn()
-                    .expect("start rdmactl exec");
-            wait_for_listener(port.parse().unwrap()).await;
-            let mut client_args = args.to_vec();
-            client_args.push("127.0.0.1");
-            let client = rdmactl(&bus, Some(DAEMON_USER), &client_args);
-            let server = server.wait_with_output().expect("server output");
-            for (out, who) in [(&client, "client"), (&server, "server")] {
-                let printed = stdout(out, &format!("{tool} {who}"));
-                let result = printed.lines().find(|l| {
-                    let f: Vec<&str> = l.split_whitespace().collect();
-                    f.len() >= 4 && f[0] == size && f[1] == iters
-                });
-                assert!(
-                    result.is_some(),
-                    "{tool} {who} printed no result line:\n{printed}"
-                );
+        for (tool, size, iters) in [
+            ("ib_send_lat", "64", "200"),
+            ("ib_send_bw", "65536", "200"),
+            ("ib_write_lat", "64", "200"),
+            ("ib_write_bw", "65536", "200"),
+            ("ib_read_bw", "65536", "200"),
+            ("ib_atomic_bw", "8", "200"),
+        ] {
+            perftest(
+                &bus,
+                [Side::Rdmad, Side::Rdmad],
+                tool,
+                &["-s", size, "-n", iters],
+            )
+            .await;
+        }
+        wait_for_sessions(&bus, 0).await;
+        let after = object_counts(&bus).await;
+        for kind in ["qps", "regions", "mrs", "pds", "sessions"] {
+            assert_eq!(after[kind], before[kind], "{kind}: {before:?} -> {after:?}");
+        }
+    }
+
+    /// perftest with one end on the kernel device and the other through rdmad, both ways:
+    /// the native end reaches memory through the rkey rdmad handed out, and the other way
+    /// round (VM tier: the host has no kernel device).
+    pub async fn perftest_against_a_native_peer(provider: &str) {
+        assert_eq!(provider, "verbs", "a native peer needs a kernel device");
+        let (bus, _daemon) = start_on(provider, "").await;
+        let before = object_counts(&bus).await;
+        for sides in [[Side::Native, Side::Rdmad], [Side::Rdmad, Side::Native]] {
+            for tool in ["ib_write_bw", "ib_read_bw"] {
+                perftest(&bus, sides, tool, &["-s", "65536", "-n", "100"]).await;
             }
         }
         wait_for_sessions(&bus, 0).await;
         let after = object_counts(&bus).await;
-        for kind in ["qps", "regions", "mrs", "sessions"] {
+        for kind in ["qps", "regions", "mrs", "pds", "sessions"] {
             assert_eq!(after[kind], before[kind], "{kind}: {before:?} -> {after:?}");
+        }
+    }
+
+    /// How one end of a perftest run runs.
+    #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+    pub enum Side {
+        /// Through rdmad (`rdmactl exec`), the server as `nobody`, the client as `daemon`.
+        Rdmad,
+        /// On the kernel device, as root.
+        Native,
+    }
+
+    /// Runs perftest's `tool` with `args`, its server and client as `sides` say, on the
+    /// first device rdmad serves, and checks both print their result line.
+    async fn perftest(
+        bus: &rdmad_tests::bus::PrivateBus,
+        sides: [Side; 2],
+        tool: &str,
+        args: &[&str],
+    ) {
+        let (device, gid) = device_and_gid(bus).await;
+        let port = free_port().to_string();
+        let mut common = vec![tool, "-d", &device, "-x", &gid, "-p", &port, "-F"];
+        common.extend(args);
+        let command = |side: Side, uid: u32, client: bool| {
+            let mut command = match side {
+                Side::Rdmad => {
+                    let mut c =
+                        rdmad_tests::daemon::as_user(Some(uid), &rdmad_tests::binary("rdmactl"));
+                    c.args(["exec", "--"])
+                        .args(&common)
+                        .env("RDMAD_BUS_ADDRESS", &bus.address);
+                    c
+                }
+                Side::Native => {
+                    let mut c = std::process::Command::new(tool);
+                    c.args(&common[1..]);
+                    c
+                }
+            };
+            if client {
+                command.arg("127.0.0.1");
+            }
+            command
+                .stdout(std::process::Stdio::piped())
+                .stderr(std::process::Stdio::piped());
+            command
+        };
+        let server = command(sides[0], NOBODY, false)
+            .spawn()
+            .expect("start the perftest server");
+        wait_for_listener(port.parse().unwrap()).await;
+        let client = command(sides[1], DAEMON_USER, true)
+            .output()
+            .expect("run the perftest client");
+        let server = server.wait_with_output().expect("server output");
+        let (size, iters) = (args[1], args[3]);
+        for (out, who) in [(&client, "client"), (&server, "server")] {
+            let printed = stdout(out, &format!("{tool} {who} ({:?})", sides));
+            let result = printed.lines().find(|l| {
+                let f: Vec<&str> = l.split_whitespace().collect();
+                f.len() >= 4 && f[0] == size && f[1] == iters
+            });
+            assert!(
+                result.is_some(),
+                "{tool} {who} ({sides:?}) printed no result line:\n{printed}"
+            );
         }
     }
 
@@ -264,23 +342,27 @@ mod bodies {
         }
     }
 
-    async fn pingpong(provider: &str, native_server: bool) {
+    async fn pingpong(provider: &str, native_server: bool, events: bool) {
         let (bus, _daemon) = start_on(provider, "").await;
         let before = object_counts(&bus).await;
         let (device, gid) = device_and_gid(&bus).await;
         let port = free_port();
-        let args = [
+        let port = port.to_string();
+        let mut args = vec![
             "ibv_rc_pingpong",
             "-d",
             &device,
             "-g",
             &gid,
             "-p",
-            &port.to_string(),
+            &port,
             "-n",
             "50",
             "-c",
         ];
+        if events {
+            args.push("-e");
+        }
         let server = if native_server {
             std::process::Command::new(args[0])
                 .args(&args[1..])
@@ -290,7 +372,7 @@ mod bodies {
                 .expect("start ibv_rc_pingpong")
         } else {
             let mut exec = vec!["exec", "--"];
-            exec.extend(args);
+            exec.extend(&args);
             rdmad_tests::daemon::as_user(Some(NOBODY), &rdmad_tests::binary("rdmactl"))
                 .args(&exec)
                 .env("RDMAD_BUS_ADDRESS", &bus.address)
@@ -299,9 +381,9 @@ mod bodies {
                 .spawn()
                 .expect("start rdmactl exec")
         };
-        wait_for_listener(port).await;
+        wait_for_listener(port.parse().unwrap()).await;
         let mut exec = vec!["exec", "--"];
-        exec.extend(args);
+        exec.extend(&args);
         exec.push("127.0.0.1");
         let client = rdmactl(&bus, Some(DAEMON_USER), &exec);
         let server = server.wait_with_output().expect("server output");
@@ -367,7 +449,8 @@ rdmad::on_both_providers!(async
     ibv_devices_and_ibv_devinfo_show_what_rdmad_serves
         / rxe_ibv_devices_and_ibv_devinfo_show_what_rdmad_serves,
     ibv_rc_pingpong_through_rdmad / rxe_ibv_rc_pingpong_through_rdmad,
-    perftest_send_through_rdmad / rxe_perftest_send_through_rdmad,
+    ibv_rc_pingpong_with_completion_events / rxe_ibv_rc_pingpong_with_completion_events,
+    perftest_through_rdmad / rxe_perftest_through_rdmad,
     a_verbs_program_killed_mid_transfer_leaves_nothing
         / rxe_a_verbs_program_killed_mid_transfer_leaves_nothing,
 );
@@ -377,6 +460,12 @@ rdmad::on_both_providers!(async
 #[tokio::test(flavor = "multi_thread")]
 async fn rxe_ibv_rc_pingpong_against_a_native_peer() {
     bodies::ibv_rc_pingpong_against_a_native_peer("verbs").await
+}
+
+/// perftest with one end native on rxe0, the other through rdmad (VM tier only).
+#[tokio::test(flavor = "multi_thread")]
+async fn rxe_perftest_against_a_native_peer() {
+    bodies::perftest_against_a_native_peer("verbs").await
 }
 
 /// `ibv_reg_mr` of the program's own memory — heap (unaligned, with a neighbour on the same

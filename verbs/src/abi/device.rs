@@ -6,7 +6,7 @@ use std::ffi::{c_char, c_int, c_uint, c_void, CStr};
 use std::os::fd::{AsRawFd, OwnedFd};
 use std::sync::Once;
 
-use super::registry::{self, lock, CompChannel, Context, Pd};
+use super::registry::{self, lock, Context, Pd};
 use super::{set_errno, sys};
 use crate::backend::{self, DeviceInfo};
 use crate::names;
@@ -561,45 +561,6 @@ pub unsafe extern "C" fn __rdmad_ibv_dealloc_pd(pd: *mut sys::ibv_pd) -> c_int {
     0
 }
 
-#[no_mangle]
-pub unsafe extern "C" fn __rdmad_ibv_create_comp_channel(
-    ctx: *mut sys::ibv_context,
-) -> *mut sys::ibv_comp_channel {
-    // SAFETY: see `context`.
-    if unsafe { context(ctx) }.is_none() {
-        set_errno(libc::EINVAL);
-        return std::ptr::null_mut();
-    }
-    let Some((read, write)) = pipe() else {
-        set_errno(libc::EMFILE);
-        return std::ptr::null_mut();
-    };
-    let channel = Box::into_raw(Box::new(CompChannel {
-        raw: sys::ibv_comp_channel {
-            context: ctx,
-            fd: read.as_raw_fd(),
-            refcnt: 0,
-        },
-        read,
-        write,
-    }));
-    registry::add_channel(channel);
-    // SAFETY: `channel` is the Box just made; `raw` is its first field.
-    unsafe { &mut (*channel).raw }
-}
-
-#[no_mangle]
-pub unsafe extern "C" fn __rdmad_ibv_destroy_comp_channel(
-    channel: *mut sys::ibv_comp_channel,
-) -> c_int {
-    if channel.is_null() || !registry::remove_channel(channel) {
-        return libc::EINVAL;
-    }
-    // SAFETY: it was a registered channel (a `Box<CompChannel>`), now removed.
-    drop(unsafe { Box::from_raw(channel as *mut CompChannel) });
-    0
-}
-
 /// Blocks until the context has an async event. Nothing posts any yet: queue-pair and
 /// port events arrive with the queue pairs.
 #[no_mangle]
@@ -752,8 +713,6 @@ symver! {
     __rdmad_ibv_get_pkey_index => "ibv_get_pkey_index" @ "IBVERBS_1.5";
     __rdmad_ibv_alloc_pd => "ibv_alloc_pd" @ "IBVERBS_1.1";
     __rdmad_ibv_dealloc_pd => "ibv_dealloc_pd" @ "IBVERBS_1.1";
-    __rdmad_ibv_create_comp_channel => "ibv_create_comp_channel" @ "IBVERBS_1.0";
-    __rdmad_ibv_destroy_comp_channel => "ibv_destroy_comp_channel" @ "IBVERBS_1.0";
     __rdmad_ibv_get_async_event => "ibv_get_async_event" @ "IBVERBS_1.1";
     __rdmad_ibv_ack_async_event => "ibv_ack_async_event" @ "IBVERBS_1.1";
     __rdmad_ibv_fork_init => "ibv_fork_init" @ "IBVERBS_1.1";

@@ -30,6 +30,7 @@ macro_rules! symver {
 }
 
 mod device;
+mod events;
 mod memory;
 mod queues;
 mod registry;

@@ -11,7 +11,7 @@
 //! told its peer.
 
 use std::collections::VecDeque;
-use std::ffi::{c_int, c_void};
+use std::ffi::{c_int, c_uint, c_void};
 use std::sync::Mutex;
 
 use rdmad_client::queue_pair::QueuePairRing;
@@ -20,7 +20,7 @@ use rdmad_client::types::Endpoint;
 use zbus::zvariant::OwnedObjectPath;
 
 use super::registry::{self, lock, Context};
-use super::{memory, set_errno, sys};
+use super::{events, memory, set_errno, sys};
 use crate::backend;
 
 /// The data path's state, behind one lock: every CQ and QP of the process. A program's
@@ -29,7 +29,7 @@ use crate::backend;
 // Boxed: the program holds pointers to the raw structures, which must not move.
 #[allow(clippy::vec_box)]
 #[derive(Default)]
-struct DataPath {
+pub(super) struct DataPath {
     cqs: Vec<Box<Cq>>,
     qps: Vec<Box<Qp>>,
 }
@@ -44,6 +44,11 @@ struct Cq {
     raw: sys::ibv_cq,
     /// Completions taken from a ring for this CQ while another CQ was polled.
     pending: VecDeque<sys::ibv_wc>,
+    /// Armed by `ibv_req_notify_cq`: its next completion raises an event on its channel.
+    armed: bool,
+    /// Events handed out, and acknowledged (`ibv_ack_cq_events`).
+    events: u64,
+    acked: u64,
 }
 
 /// Verbs state of a QP as the program moved it.
@@ -80,7 +85,7 @@ unsafe impl Send for Cq {}
 // SAFETY: as for `Cq`.
 unsafe impl Send for Qp {}
 
-fn data_path() -> std::sync::MutexGuard<'static, DataPath> {
+pub(super) fn data_path() -> std::sync::MutexGuard<'static, DataPath> {
     lock(&DATA_PATH)
 }
 
@@ -104,6 +109,97 @@ impl DataPath {
     fn qp_index(&self, ptr: *const sys::ibv_qp) -> Option<usize> {
         self.qps.iter().position(|q| std::ptr::eq(&q.raw, ptr))
     }
+
+    /// The QPs that complete into `cq`.
+    fn qps_of(&mut self, cq: *const sys::ibv_cq) -> impl Iterator<Item = &mut Box<Qp>> {
+        self.qps
+            .iter_mut()
+            .filter(move |q| std::ptr::eq(q.raw.send_cq, cq) || std::ptr::eq(q.raw.recv_cq, cq))
+    }
+
+    /// Arms `cq` (`ibv_req_notify_cq`): asks rdmad to write the completion pipes of its
+    /// QPs' rings. Returns whether completions are already waiting (then the caller raises
+    /// the event itself), or `None` if `cq` is not one of ours.
+    pub(super) fn arm(&mut self, cq: *const sys::ibv_cq) -> Option<bool> {
+        let c = self.cq(cq)?;
+        if c.raw.channel.is_null() {
+            // Nothing to notify: libibverbs accepts it all the same.
+            return Some(false);
+        }
+        c.armed = true;
+        let mut ready = !c.pending.is_empty();
+        for q in self.qps_of(cq) {
+            let asked = q.ring.request_wakeups(true);
+            ready |= asked.is_err() || q.ring.has_completion().unwrap_or(true);
+        }
+        Some(ready)
+    }
+
+    /// An armed CQ of `channel` with a completion waiting, disarmed, and its context
+    /// (`ibv_get_cq_event`); rings no armed CQ waits on any more stop asking rdmad for
+    /// wake-ups.
+    pub(super) fn take_event(
+        &mut self,
+        channel: *const sys::ibv_comp_channel,
+    ) -> Option<(*mut sys::ibv_cq, *mut c_void)> {
+        let qps = &self.qps;
+        let ready = |c: &Cq| {
+            let cq: *const sys::ibv_cq = &c.raw;
+            !c.pending.is_empty()
+                || qps.iter().any(|q| {
+                    (std::ptr::eq(q.raw.send_cq, cq) || std::ptr::eq(q.raw.recv_cq, cq))
+                        && q.ring.has_completion().unwrap_or(true)
+                })
+        };
+        let c = self
+            .cqs
+            .iter_mut()
+            .find(|c| c.armed && std::ptr::eq(c.raw.channel, channel) && ready(c))?;
+        c.armed = false;
+        c.events += 1;
+        let found: *mut sys::ibv_cq = &mut c.raw;
+        let context = c.raw.cq_context;
+        let armed: Vec<*const sys::ibv_cq> = self
+            .cqs
+            .iter()
+            .filter(|c| c.armed)
+            .map(|c| &c.raw as *const sys::ibv_cq)
+            .collect();
+        for q in self.qps_of(found) {
+            let still = armed
+                .iter()
+                .any(|&a| std::ptr::eq(q.raw.send_cq, a) || std::ptr::eq(q.raw.recv_cq, a));
+            if !still {
+                let _ = q.ring.request_wakeups(false);
+            }
+        }
+        Some((found, context))
+    }
+
+    /// Reads empty the completion pipe `fd` of one of the QPs; false if no QP has it any
+    /// more, or rdmad closed its end.
+    pub(super) fn drain(&mut self, fd: c_int) -> bool {
+        use std::os::fd::AsRawFd;
+        self.qps
+            .iter()
+            .find(|q| q.ring.completion_fd().as_raw_fd() == fd)
+            .is_some_and(|q| q.ring.drain_wakeups().unwrap_or(false))
+    }
+
+    /// `ibv_ack_cq_events`.
+    pub(super) fn ack(&mut self, cq: *const sys::ibv_cq, n: c_uint) {
+        if let Some(c) = self.cq(cq) {
+            c.acked = (c.acked + u64::from(n)).min(c.events);
+        }
+    }
+}
+
+/// Whether a CQ still uses `channel` (`ibv_destroy_comp_channel` refuses then).
+pub fn channel_in_use(channel: *const sys::ibv_comp_channel) -> bool {
+    data_path()
+        .cqs
+        .iter()
+        .any(|c| std::ptr::eq(c.raw.channel, channel))
 }
 
 /// Forgets the context's QPs and CQs (`ibv_close_device`): closing its session releases
@@ -146,6 +242,9 @@ pub unsafe extern "C" fn __rdmad_ibv_create_cq(
             ..Default::default()
         },
         pending: VecDeque::new(),
+        armed: false,
+        events: 0,
+        acked: 0,
     });
     let ptr: *mut sys::ibv_cq = &mut cq.raw;
     data_path().cqs.push(cq);
@@ -301,6 +400,14 @@ pub unsafe extern "C" fn __rdmad_ibv_create_qp(
         path_mtu: endpoint.mtu,
         early_recvs: Vec::new(),
     });
+    // The channels of its CQs hear of its completions.
+    for cq in [attr.send_cq, attr.recv_cq] {
+        // SAFETY: both are live CQs of ours (checked above; a CQ outlives its QPs).
+        let channel = unsafe { (*cq).channel };
+        if let Err(e) = events::watch(channel, qp.ring.completion_fd()) {
+            eprintln!("rdmad-verbs: ibv_create_qp: cannot watch the completion channel: {e}");
+        }
+    }
     let ptr: *mut sys::ibv_qp = &mut qp.raw;
     data_path().qps.push(qp);
     ptr
@@ -705,6 +812,10 @@ unsafe extern "C" fn poll_cq(cq: *mut sys::ibv_cq, n: c_int, wc: *mut sys::ibv_w
     for (target, w) in elsewhere {
         if let Some(other) = dp.cq(target) {
             other.pending.push_back(w);
+            if other.armed {
+                // Its ring's wake-up was this CQ's to read: tell its channel.
+                events::kick(other.raw.channel);
+            }
         }
     }
     drop(dp);
@@ -722,23 +833,11 @@ unsafe extern "C" fn poll_cq(cq: *mut sys::ibv_cq, n: c_int, wc: *mut sys::ibv_w
     got.len() as c_int
 }
 
-/// Completion events are not delivered yet: a program that asks for them is told at once
-/// rather than left waiting.
-unsafe extern "C" fn req_notify_cq(_cq: *mut sys::ibv_cq, _solicited_only: c_int) -> c_int {
-    static ONCE: std::sync::Once = std::sync::Once::new();
-    ONCE.call_once(|| {
-        eprintln!(
-            "rdmad-verbs: completion events (ibv_req_notify_cq) are not supported yet: poll the CQ"
-        )
-    });
-    libc::EOPNOTSUPP
-}
-
 /// The data-path ops of every context (the inline verbs of `verbs.h` call them).
 pub fn context_ops() -> sys::ibv_context_ops {
     sys::ibv_context_ops {
         poll_cq: Some(poll_cq),
-        req_notify_cq: Some(req_notify_cq),
+        req_notify_cq: Some(events::req_notify_cq),
         post_send: Some(post_send),
         post_recv: Some(post_recv),
         ..Default::default()

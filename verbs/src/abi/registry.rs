@@ -55,11 +55,13 @@ pub struct Mr {
     pub registration: u64,
 }
 
+/// A completion channel: `raw.fd` is `epoll`, a set holding the completion pipes of the
+/// QPs of the channel's CQs and `kick` (see `events.rs`).
 #[repr(C)]
 pub struct CompChannel {
     pub raw: sys::ibv_comp_channel,
-    pub read: std::os::fd::OwnedFd,
-    pub write: std::os::fd::OwnedFd,
+    pub epoll: std::os::fd::OwnedFd,
+    pub kick: std::os::fd::OwnedFd,
 }
 
 // SAFETY: a device's raw structure holds no pointers the library follows (only names and

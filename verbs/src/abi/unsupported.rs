@@ -152,12 +152,6 @@ pub extern "C" fn __rdmad_ibv_resize_cq() -> c_int {
 }
 
 #[no_mangle]
-pub extern "C" fn __rdmad_ibv_get_cq_event() -> c_int {
-    set_errno(libc::EOPNOTSUPP);
-    -1
-}
-
-#[no_mangle]
 pub extern "C" fn __rdmad_ibv_init_ah_from_wc() -> c_int {
     set_errno(libc::EOPNOTSUPP);
     -1
@@ -199,9 +193,6 @@ pub extern "C" fn __rdmad_ibv_copy_path_rec_to_kern() {}
 
 #[no_mangle]
 pub extern "C" fn __rdmad_ibv_copy_qp_attr_from_kern() {}
-
-#[no_mangle]
-pub extern "C" fn __rdmad_ibv_ack_cq_events() {}
 
 #[no_mangle]
 pub extern "C" fn __rdmad_ibv_copy_ah_attr_from_kern() {}
@@ -564,7 +555,6 @@ symver! {
     __rdmad_ibv_modify_srq => "ibv_modify_srq" @ "IBVERBS_1.1";
     __rdmad_ibv_query_srq => "ibv_query_srq" @ "IBVERBS_1.1";
     __rdmad_ibv_resize_cq => "ibv_resize_cq" @ "IBVERBS_1.1";
-    __rdmad_ibv_get_cq_event => "ibv_get_cq_event" @ "IBVERBS_1.1";
     __rdmad_ibv_init_ah_from_wc => "ibv_init_ah_from_wc" @ "IBVERBS_1.1";
     __rdmad_ibv_rereg_mr => "ibv_rereg_mr" @ "IBVERBS_1.1";
     __rdmad_ibv_resolve_eth_l2_from_gid => "ibv_resolve_eth_l2_from_gid" @ "IBVERBS_1.1";
@@ -574,7 +564,6 @@ symver! {
     __rdmad_ibv_copy_path_rec_from_kern => "ibv_copy_path_rec_from_kern" @ "IBVERBS_1.0";
     __rdmad_ibv_copy_path_rec_to_kern => "ibv_copy_path_rec_to_kern" @ "IBVERBS_1.0";
     __rdmad_ibv_copy_qp_attr_from_kern => "ibv_copy_qp_attr_from_kern" @ "IBVERBS_1.0";
-    __rdmad_ibv_ack_cq_events => "ibv_ack_cq_events" @ "IBVERBS_1.1";
     __rdmad_ibv_copy_ah_attr_from_kern => "ibv_copy_ah_attr_from_kern" @ "IBVERBS_1.1";
     __rdmad_ibv_unimport_mr => "ibv_unimport_mr" @ "IBVERBS_1.10";
     __rdmad_ibv_unimport_pd => "ibv_unimport_pd" @ "IBVERBS_1.10";
