@@ -153,26 +153,27 @@ mod bodies {
 
     /// perftest, unmodified, both ends through rdmad as two users: the SEND tests, and
     /// the RDMA WRITE, READ and atomic tests, whose server hands its peer an rkey before
-    /// either QP is connected. Each completes its run and prints its result line, and
-    /// nothing of either is left in rdmad.
+    /// either QP is connected; the latency tests also with inline data (`-I`). Each
+    /// completes its run and prints its result line, and nothing of either is left in
+    /// rdmad.
     pub async fn perftest_through_rdmad(provider: &str) {
         let (bus, _daemon) = start_on(provider, "").await;
         let before = object_counts(&bus).await;
-        for (tool, size, iters) in [
-            ("ib_send_lat", "64", "200"),
-            ("ib_send_bw", "65536", "200"),
-            ("ib_write_lat", "64", "200"),
-            ("ib_write_bw", "65536", "200"),
-            ("ib_read_bw", "65536", "200"),
-            ("ib_atomic_bw", "8", "200"),
+        for (tool, size, iters, inline) in [
+            ("ib_send_lat", "64", "200", None),
+            ("ib_send_lat", "64", "200", Some("64")),
+            ("ib_send_bw", "65536", "200", None),
+            ("ib_write_lat", "64", "200", None),
+            ("ib_write_lat", "64", "200", Some("128")),
+            ("ib_write_bw", "65536", "200", None),
+            ("ib_read_bw", "65536", "200", None),
+            ("ib_atomic_bw", "8", "200", None),
         ] {
-            perftest(
-                &bus,
-                [Side::Rdmad, Side::Rdmad],
-                tool,
-                &["-s", size, "-n", iters],
-            )
-            .await;
+            let mut args = vec!["-s", size, "-n", iters];
+            if let Some(bytes) = inline {
+                args.extend(["-I", bytes]);
+            }
+            perftest(&bus, [Side::Rdmad, Side::Rdmad], tool, &args).await;
         }
         wait_for_sessions(&bus, 0).await;
         let after = object_counts(&bus).await;

@@ -20,7 +20,7 @@ use crate::maps;
 const PAGE: usize = 4096;
 
 /// The pool registrations come from: `RDMAD_VERBS_POOL`, else `default`.
-fn pool() -> String {
+pub(super) fn pool() -> String {
     std::env::var("RDMAD_VERBS_POOL").unwrap_or_else(|_| "default".into())
 }
 

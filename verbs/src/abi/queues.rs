@@ -76,7 +76,32 @@ struct Qp {
     path_mtu: u32,
     /// Receives posted in INIT, before the queue pair is connected.
     early_recvs: Vec<Submission>,
+    /// Sends posted, and sends known complete (a signaled send's completion completes
+    /// every send before it: RC completes a send queue in order).
+    sends_posted: u64,
+    sends_done: u64,
+    /// The sequence numbers of the signaled sends not completed yet, in order.
+    signaled: VecDeque<u64>,
+    /// A send completed in error: the QP is in the error state, and nothing it still
+    /// holds will be read by the device.
+    failed: bool,
+    /// Where inline data is copied, if the QP takes any.
+    inline: Option<InlineStaging>,
 }
+
+/// Inline data (`IBV_SEND_INLINE`): the bytes are copied at post time into a slot of a
+/// region of the QP's own, registered in its domain, and the request names that slot.
+/// Slot `n % slots` holds send `n`'s bytes; send `n + slots` may be posted only once send
+/// `n` is known complete, as the send queue's depth demands anyway.
+struct InlineStaging {
+    region: OwnedObjectPath,
+    map: rdmad_client::mapping::RegionMapping,
+    slot: usize,
+    slots: u64,
+}
+
+/// The most inline data a QP takes per request.
+const MAX_INLINE: u32 = 1024;
 
 // SAFETY: the raw structures' pointers (context, PD, CQs) point at this library's objects,
 // which outlive the QP (their destroy verbs refuse while it lives); every access to a CQ
@@ -319,9 +344,10 @@ pub unsafe extern "C" fn __rdmad_ibv_create_qp(
         return std::ptr::null_mut();
     }
     let cap = attr.cap;
-    if cap.max_inline_data > 0 {
+    if cap.max_inline_data > MAX_INLINE {
         eprintln!(
-            "rdmad-verbs: ibv_create_qp: inline data ({} bytes asked) is not supported yet",
+            "rdmad-verbs: ibv_create_qp: {} bytes of inline data asked, at most {MAX_INLINE} \
+             are offered",
             cap.max_inline_data
         );
         set_errno(libc::EINVAL);
@@ -366,12 +392,34 @@ pub unsafe extern "C" fn __rdmad_ibv_create_qp(
             return std::ptr::null_mut();
         }
     };
+    let max_send_wr = cap.max_send_wr.max(1).min(info.sq_entries);
+    let inline = if cap.max_inline_data > 0 {
+        match inline_staging(
+            backend,
+            context,
+            pd_raw.handle,
+            cap.max_inline_data,
+            max_send_wr,
+        ) {
+            Ok(staging) => Some(staging),
+            Err((errno, e)) => {
+                eprintln!("rdmad-verbs: ibv_create_qp: inline data: {e}");
+                if let Err(e) = backend.destroy_queue_pair(&path) {
+                    eprintln!("rdmad-verbs: {e}");
+                }
+                set_errno(errno);
+                return std::ptr::null_mut();
+            }
+        }
+    } else {
+        None
+    };
     let granted = sys::ibv_qp_cap {
-        max_send_wr: cap.max_send_wr.max(1).min(info.sq_entries),
+        max_send_wr,
         max_recv_wr: cap.max_recv_wr.max(1),
         max_send_sge: max_sge,
         max_recv_sge: max_sge,
-        max_inline_data: 0,
+        max_inline_data: inline.as_ref().map_or(0, |i| i.slot as u32),
     };
     attr.cap = granted;
     static HANDLES: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(1);
@@ -399,6 +447,11 @@ pub unsafe extern "C" fn __rdmad_ibv_create_qp(
         port: 1,
         path_mtu: endpoint.mtu,
         early_recvs: Vec::new(),
+        sends_posted: 0,
+        sends_done: 0,
+        signaled: VecDeque::new(),
+        failed: false,
+        inline,
     });
     // The channels of its CQs hear of its completions.
     for cq in [attr.send_cq, attr.recv_cq] {
@@ -411,6 +464,45 @@ pub unsafe extern "C" fn __rdmad_ibv_create_qp(
     let ptr: *mut sys::ibv_qp = &mut qp.raw;
     data_path().qps.push(qp);
     ptr
+}
+
+/// A region of the QP's own for inline data: `slots` slots of `max_inline` bytes (rounded
+/// up to a cache line), registered in domain `domain` and mapped here.
+fn inline_staging(
+    backend: &backend::Backend,
+    context: &Context,
+    domain: u32,
+    max_inline: u32,
+    slots: u32,
+) -> Result<InlineStaging, (c_int, String)> {
+    let slot = (max_inline as usize).div_ceil(64) * 64;
+    let size = slot * slots as usize;
+    let memory = |(quota, e): (bool, String)| (if quota { libc::ENOMEM } else { libc::EINVAL }, e);
+    let (region, fd, granted) = backend
+        .allocate_region(&context.session, &memory::pool(), size as u64)
+        .map_err(memory)?;
+    let staged = backend
+        .register(&region, domain, (0, granted, 0), "l")
+        .map_err(memory)
+        .and_then(|_| {
+            rdmad_client::mapping::RegionMapping::map(fd, size, true)
+                .map_err(|e| (libc::ENOMEM, format!("cannot map its region: {e}")))
+        });
+    match staged {
+        Ok(map) => Ok(InlineStaging {
+            region,
+            map,
+            slot,
+            slots: u64::from(slots),
+        }),
+        Err(e) => {
+            // Its registration goes with it.
+            if let Err(e) = backend.free_region(&region) {
+                eprintln!("rdmad-verbs: {e}");
+            }
+            Err(e)
+        }
+    }
 }
 
 #[no_mangle]
@@ -426,8 +518,52 @@ pub unsafe extern "C" fn __rdmad_ibv_destroy_qp(qp: *mut sys::ibv_qp) -> c_int {
         if let Err(e) = b.destroy_queue_pair(&q.path) {
             eprintln!("rdmad-verbs: ibv_destroy_qp: {e}");
         }
+        if let Some(staging) = &q.inline {
+            if let Err(e) = b.free_region(&staging.region) {
+                eprintln!("rdmad-verbs: ibv_destroy_qp: {e}");
+            }
+        }
     }
     0
+}
+
+/// Copies the bytes a request's SGEs point at into the QP's next inline slot and returns
+/// the one SGE that names them, or the errno: `EINVAL` past `max_inline_data` or without
+/// inline room, `ENOMEM` while the slot's previous send may still be read.
+///
+/// # Safety
+/// `list` must point at `n` `struct ibv_sge`, each naming `length` readable bytes of the
+/// program's at `addr` (what libibverbs asks of an inline send's SGEs).
+unsafe fn stage_inline(q: &Qp, list: *const sys::ibv_sge, n: c_int) -> Result<RegionSge, c_int> {
+    let staging = q.inline.as_ref().ok_or(libc::EINVAL)?;
+    if n < 0 || (n > 0 && list.is_null()) {
+        return Err(libc::EINVAL);
+    }
+    if !q.failed && q.sends_posted - q.sends_done >= staging.slots {
+        return Err(libc::ENOMEM);
+    }
+    let offset = (q.sends_posted % staging.slots) as usize * staging.slot;
+    let mut at = 0usize;
+    for i in 0..n as usize {
+        // SAFETY: i < n, as the caller promised.
+        let sge = unsafe { *list.add(i) };
+        let len = sge.length as usize;
+        if at + len > staging.slot {
+            return Err(libc::EINVAL);
+        }
+        // SAFETY: the caller promised `length` readable bytes at `addr`.
+        let bytes = unsafe { std::slice::from_raw_parts(sge.addr as *const u8, len) };
+        staging
+            .map
+            .write(offset + at, bytes)
+            .map_err(|_| libc::EINVAL)?;
+        at += len;
+    }
+    Ok(RegionSge {
+        region: rdmad_client::names::object_id(staging.region.as_str()).unwrap_or(0),
+        offset: offset as u64,
+        length: at as u32,
+    })
 }
 
 #[no_mangle]
@@ -625,9 +761,26 @@ unsafe extern "C" fn post_send(
     while !wr.is_null() {
         // SAFETY: the program's list of work requests.
         let w = unsafe { &*wr };
-        // SAFETY: the request's own SGE list.
-        let Some(sges) = (unsafe { sges(context, w.sg_list, w.num_sge) }) else {
-            return fail(wr, libc::EINVAL);
+        let inline = w.send_flags & sys::ibv_send_flags_IBV_SEND_INLINE != 0
+            && matches!(
+                w.opcode,
+                sys::ibv_wr_opcode_IBV_WR_SEND
+                    | sys::ibv_wr_opcode_IBV_WR_SEND_WITH_IMM
+                    | sys::ibv_wr_opcode_IBV_WR_RDMA_WRITE
+                    | sys::ibv_wr_opcode_IBV_WR_RDMA_WRITE_WITH_IMM
+            );
+        let sges = if inline {
+            // SAFETY: the request's own SGE list, whose bytes an inline send copies now.
+            match unsafe { stage_inline(q, w.sg_list, w.num_sge) } {
+                Ok(sge) => vec![sge],
+                Err(e) => return fail(wr, e),
+            }
+        } else {
+            // SAFETY: the request's own SGE list.
+            match unsafe { sges(context, w.sg_list, w.num_sge) } {
+                Some(sges) => sges,
+                None => return fail(wr, libc::EINVAL),
+            }
         };
         // SAFETY: reading the unions as the opcode says they are filled.
         let (imm, rdma, atomic) = unsafe { (w.__bindgen_anon_1.imm_data, w.wr.rdma, w.wr.atomic) };
@@ -672,11 +825,16 @@ unsafe extern "C" fn post_send(
             swap,
             sges,
         };
+        let signaled = submission.signaled;
         match q.ring.submit(&submission) {
             Ok(Ok(())) => {}
             Ok(Err(_full)) => return fail(wr, libc::ENOMEM),
             Err(_) => return fail(wr, libc::EIO),
         }
+        if signaled {
+            q.signaled.push_back(q.sends_posted);
+        }
+        q.sends_posted += 1;
         wr = w.next;
     }
     0
@@ -800,6 +958,21 @@ unsafe extern "C" fn poll_cq(cq: *mut sys::ibv_cq, n: c_int, wc: *mut sys::ibv_w
         }
         while got.len() < n as usize {
             let Ok(Some(c)) = q.ring.poll() else { break };
+            if c.opcode != Opcode::Recv {
+                match c.status {
+                    // This signaled send is done, and every send before it.
+                    Status::Success => {
+                        if let Some(seq) = q.signaled.pop_front() {
+                            q.sends_done = seq + 1;
+                        }
+                    }
+                    // rdmad refused one request before the device: the QP goes on (and
+                    // the count of sends done may lag, which only holds slots longer).
+                    Status::InvalidEntry | Status::RegionAccessDenied | Status::QueueFull => {}
+                    // The device failed a send: the QP is in the error state.
+                    _ => q.failed = true,
+                }
+            }
             let target = if c.opcode == Opcode::Recv { recv } else { send };
             let w = work_completion(&c, q.raw.qp_num);
             if std::ptr::eq(target, cq) {
