@@ -131,13 +131,15 @@ static int use_events;
 static void __attribute__((noreturn, format(printf, 1, 2)))
 fail(const char *fmt, ...)
 {
+	char msg[512];
 	va_list ap;
 
-	fprintf(stderr, "rdma-write: %s: ", role);
+	/* One fprintf, so that the server's and the client's messages do not
+	 * interleave when they share a terminal. */
 	va_start(ap, fmt);
-	vfprintf(stderr, fmt, ap);
+	vsnprintf(msg, sizeof(msg), fmt, ap);
 	va_end(ap);
-	fputc('\n', stderr);
+	fprintf(stderr, "rdma-write: %s: %s\n", role, msg);
 	exit(1);
 }
 
@@ -491,7 +493,10 @@ static void qp_to_rts(struct ctx *c, const struct endpoint *me,
 	attr.qp_state = IBV_QPS_RTS;
 	attr.sq_psn = me->psn;
 	attr.timeout = 14;			/* 4.096 us * 2^14 = 67 ms */
-	attr.retry_cnt = 7;
+	/* Retransmissions before giving up with "transport retry counter
+	 * exceeded" when the peer stops answering.  Not 7: rxe takes 7 to
+	 * mean "retry forever", so a vanished peer would hang us. */
+	attr.retry_cnt = 6;
 	attr.rnr_retry = 7;			/* 7 = retry forever */
 	attr.max_rd_atomic = 1;
 	ret = ibv_modify_qp(c->qp, &attr,
