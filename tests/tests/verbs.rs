@@ -55,6 +55,7 @@ mod bodies {
     /// GUID, firmware, port and GID table rdmad reports; opening a device is a session of
     /// the program's user, gone when the program exits.
     pub async fn ibv_devices_and_ibv_devinfo_show_what_rdmad_serves(provider: &str) {
+        let _alone = rdmad_tests::ALONE.lock().await;
         let (bus, daemon) = start_on(provider, "").await;
         let devices: Value =
             serde_json::from_str(&rdmactl_ok(&bus, Some(NOBODY), &["-j", "dev"])).unwrap();
@@ -157,6 +158,7 @@ mod bodies {
     /// completes its run and prints its result line, and nothing of either is left in
     /// rdmad.
     pub async fn perftest_through_rdmad(provider: &str) {
+        let _alone = rdmad_tests::ALONE.lock().await;
         let (bus, _daemon) = start_on(provider, "").await;
         let before = object_counts(&bus).await;
         for (tool, size, iters, inline) in [
@@ -186,6 +188,7 @@ mod bodies {
     /// the native end reaches memory through the rkey rdmad handed out, and the other way
     /// round (VM tier: the host has no kernel device).
     pub async fn perftest_against_a_native_peer(provider: &str) {
+        let _alone = rdmad_tests::ALONE.lock().await;
         assert_eq!(provider, "verbs", "a native peer needs a kernel device");
         let (bus, _daemon) = start_on(provider, "").await;
         let before = object_counts(&bus).await;
@@ -268,10 +271,129 @@ mod bodies {
         }
     }
 
+    /// A broken or hostile verbs program (`tests/verbs/hostile.c`, as `nobody`) hands the
+    /// verbs pointers that are not theirs, posts with keys it does not own, scribbles over
+    /// the library's rings with requests in flight and exits without cleaning up, while
+    /// another user's `ibv_rc_pingpong` pair runs beside it: each misuse is an error value,
+    /// the neighbour keeps exchanging (and checking) its messages during and after, rdmad
+    /// logs the broken ring with the offender's session, and once both are gone rdmad's
+    /// object counts — and on rxe0 the kernel's — are back to their baseline.
+    pub async fn a_hostile_verbs_program_harms_only_itself(provider: &str) {
+        let _alone = rdmad_tests::ALONE.lock().await;
+        let (bus, daemon) = start_on(provider, "").await;
+        let before = object_counts(&bus).await;
+        let kernel_before = rdmad_tests::kernel_verbs_objects(provider);
+        let (device, gid) = device_and_gid(&bus).await;
+        let (_dir, hostile) = c_program("hostile");
+
+        let port = free_port().to_string();
+        let neighbour = |extra: Option<&str>| {
+            let mut command =
+                rdmad_tests::daemon::as_user(Some(DAEMON_USER), &rdmad_tests::binary("rdmactl"));
+            command
+                .args(["exec", "--", "ibv_rc_pingpong", "-d", &device, "-g", &gid])
+                .args(["-p", &port, "-n", "1000000000", "-c"])
+                .args(extra)
+                .env("RDMAD_BUS_ADDRESS", &bus.address)
+                .stdout(std::process::Stdio::null())
+                .stderr(std::process::Stdio::piped());
+            command.spawn().expect("start rdmactl exec")
+        };
+        let mut server = neighbour(None);
+        wait_for_listener(port.parse().unwrap()).await;
+        let mut client = neighbour(Some("127.0.0.1"));
+        let neighbour_progress = || async {
+            let qps: Value =
+                serde_json::from_str(&rdmactl_ok(&bus, Some(DAEMON_USER), &["-j", "qp"])).unwrap();
+            qps.as_array()
+                .unwrap()
+                .iter()
+                .map(|q| q["completed"].as_u64().unwrap_or(0))
+                .sum::<u64>()
+        };
+        let deadline = std::time::Instant::now() + rdmad_tests::TIMEOUT;
+        while neighbour_progress().await == 0 {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "the neighbour never ran"
+            );
+            tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+        }
+
+        let out = rdmactl(
+            &bus,
+            Some(NOBODY),
+            &["exec", "--", hostile.to_str().unwrap(), &device, &gid],
+        );
+        let printed = stdout(&out, "hostile");
+        assert!(!printed.contains("FAIL"), "{printed}");
+        assert!(
+            printed.lines().filter(|l| l.starts_with("ok ")).count() >= 17,
+            "{printed}"
+        );
+        let scribbled: u64 = printed
+            .lines()
+            .find_map(|l| {
+                l.strip_prefix("scribbled ")?
+                    .strip_suffix(" bytes")?
+                    .parse()
+                    .ok()
+            })
+            .unwrap_or_else(|| panic!("no scribbling:\n{printed}"));
+        assert!(scribbled > 0, "{printed}");
+
+        // The neighbour goes on: more messages after the hostile program is gone.
+        let after_attack = neighbour_progress().await;
+        let deadline = std::time::Instant::now() + rdmad_tests::TIMEOUT;
+        while neighbour_progress().await <= after_attack {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "the neighbour stopped at {after_attack} completions"
+            );
+            tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+        }
+        for (who, child) in [("server", &mut server), ("client", &mut client)] {
+            assert!(
+                child.try_wait().unwrap().is_none(),
+                "the neighbour's {who} stopped (a message failed its check?)"
+            );
+        }
+
+        // rdmad names the offender's session for the broken ring.
+        let log = daemon.wait_for_log("submission tail out of range", 1).await;
+        let session = log
+            .lines()
+            .find(|l| l.contains("session opened") && l.contains(&format!("uid={NOBODY}")))
+            .and_then(|l| l.split_whitespace().find(|f| f.starts_with("session=")))
+            .expect("the hostile program's session")
+            .to_owned();
+        assert!(
+            log.lines()
+                .any(|l| l.contains("submission tail out of range") && l.contains(&session)),
+            "{log}"
+        );
+
+        for child in [&mut client, &mut server] {
+            child.kill().unwrap();
+            child.wait().unwrap();
+        }
+        wait_for_sessions(&bus, 0).await;
+        let after = object_counts(&bus).await;
+        for kind in ["qps", "cqs", "regions", "mrs", "pds", "sessions"] {
+            assert_eq!(after[kind], before[kind], "{kind}: {before:?} -> {after:?}");
+        }
+        assert_eq!(
+            rdmad_tests::kernel_verbs_objects(provider),
+            kernel_before,
+            "the kernel's verbs objects"
+        );
+    }
+
     /// Two unmodified programs exchanging messages show in `rdmactl session` and `rdmactl
     /// qp` under their own command name and pid; SIGKILLed mid-transfer, they leave
     /// nothing behind in rdmad.
     pub async fn a_verbs_program_killed_mid_transfer_leaves_nothing(provider: &str) {
+        let _alone = rdmad_tests::ALONE.lock().await;
         let (bus, _daemon) = start_on(provider, "").await;
         let before = object_counts(&bus).await;
         let (device, gid) = device_and_gid(&bus).await;
@@ -344,6 +466,7 @@ mod bodies {
     }
 
     async fn pingpong(provider: &str, native_server: bool, events: bool) {
+        let _alone = rdmad_tests::ALONE.lock().await;
         let (bus, _daemon) = start_on(provider, "").await;
         let before = object_counts(&bus).await;
         let (device, gid) = device_and_gid(&bus).await;
@@ -454,6 +577,7 @@ rdmad::on_both_providers!(async
     perftest_through_rdmad / rxe_perftest_through_rdmad,
     a_verbs_program_killed_mid_transfer_leaves_nothing
         / rxe_a_verbs_program_killed_mid_transfer_leaves_nothing,
+    a_hostile_verbs_program_harms_only_itself / rxe_a_hostile_verbs_program_harms_only_itself,
 );
 
 /// One end through rdmad, the other native on rxe0 (VM tier only: the host has no kernel
@@ -476,6 +600,7 @@ async fn rxe_perftest_against_a_native_peer() {
 /// daemon's reason; everything is gone when the program exits.
 #[tokio::test(flavor = "multi_thread")]
 async fn ibv_reg_mr_registers_the_programs_own_memory_within_its_quota() {
+    let _alone = rdmad_tests::ALONE.lock().await;
     let (bus, _daemon) = start_on(
         "loopback",
         "[[pool]]\nname = \"default\"\ncapacity = \"256MiB\"\ngranularity = \"4KiB\"\n\

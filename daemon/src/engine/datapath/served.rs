@@ -179,6 +179,7 @@ impl ServedQp {
         if pending > layout.sq_entries {
             // An impossible tail: the client broke the protocol. Skip to it and say so once.
             tracing::warn!(
+                session = %self.record.session,
                 qp = %self.id,
                 tail,
                 head = self.sq_head,
@@ -201,7 +202,11 @@ impl ServedQp {
             let sub = match Submission::decode(&bytes) {
                 Ok(s) => s,
                 Err((wr_id, e)) => {
-                    tracing::debug!(qp = %self.id, "refused submission: {e}");
+                    tracing::debug!(
+                        session = %self.record.session,
+                        qp = %self.id,
+                        "refused submission: {e}"
+                    );
                     self.refuse(wr_id, Opcode::Send, Status::InvalidEntry, 0);
                     continue;
                 }

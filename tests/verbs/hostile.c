@@ -1,0 +1,235 @@
+/* A verbs program that misbehaves in every way a broken or hostile program can, through
+ * whatever libibverbs it is run with: it hands the verbs pointers that are not theirs,
+ * posts requests with keys it does not own, and finally scribbles over the library's own
+ * memory (its queue pairs' rings) while requests are in flight and exits without cleaning
+ * up. Each step prints "ok ..." when the library answered as libibverbs documents (an
+ * error value, never a crash), or "FAIL ...". The last line is "scribbled N bytes".
+ *
+ *   hostile DEVICE GID_INDEX
+ */
+#include <errno.h>
+#include <infiniband/verbs.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include <unistd.h>
+
+static int failures;
+
+static void check(int ok, const char *what)
+{
+	printf("%s %s\n", ok ? "ok" : "FAIL", what);
+	fflush(stdout);
+	if (!ok)
+		failures++;
+}
+
+static void die(const char *what)
+{
+	printf("FAIL %s: %s\n", what, strerror(errno));
+	exit(1);
+}
+
+struct end {
+	struct ibv_cq *cq;
+	struct ibv_qp *qp;
+};
+
+/* A QP in `pd` with a CQ of its own, RESET. */
+static struct end make_end(struct ibv_context *ctx, struct ibv_pd *pd)
+{
+	struct end e;
+	e.cq = ibv_create_cq(ctx, 64, NULL, NULL, 0);
+	if (!e.cq)
+		die("ibv_create_cq");
+	struct ibv_qp_init_attr init = {
+		.send_cq = e.cq,
+		.recv_cq = e.cq,
+		.cap = { .max_send_wr = 32, .max_recv_wr = 32, .max_send_sge = 1, .max_recv_sge = 1 },
+		.qp_type = IBV_QPT_RC,
+	};
+	e.qp = ibv_create_qp(pd, &init);
+	if (!e.qp)
+		die("ibv_create_qp");
+	return e;
+}
+
+/* Moves `a` to RTS towards `b` (both on this process's device and port 1). */
+static void connect_to(struct ibv_qp *a, struct ibv_qp *b, union ibv_gid *gid, int gid_index)
+{
+	struct ibv_qp_attr attr = {
+		.qp_state = IBV_QPS_INIT,
+		.port_num = 1,
+		.qp_access_flags = IBV_ACCESS_REMOTE_WRITE | IBV_ACCESS_REMOTE_READ,
+	};
+	if (ibv_modify_qp(a, &attr, IBV_QP_STATE | IBV_QP_PKEY_INDEX | IBV_QP_PORT | IBV_QP_ACCESS_FLAGS))
+		die("ibv_modify_qp INIT");
+	memset(&attr, 0, sizeof attr);
+	attr.qp_state = IBV_QPS_RTR;
+	attr.path_mtu = IBV_MTU_1024;
+	attr.dest_qp_num = b->qp_num;
+	attr.rq_psn = 7;
+	attr.max_dest_rd_atomic = 1;
+	attr.min_rnr_timer = 12;
+	attr.ah_attr.is_global = 1;
+	attr.ah_attr.grh.dgid = *gid;
+	attr.ah_attr.grh.sgid_index = gid_index;
+	attr.ah_attr.grh.hop_limit = 1;
+	attr.ah_attr.port_num = 1;
+	if (ibv_modify_qp(a, &attr, IBV_QP_STATE | IBV_QP_AV | IBV_QP_PATH_MTU | IBV_QP_DEST_QPN |
+				    IBV_QP_RQ_PSN | IBV_QP_MAX_DEST_RD_ATOMIC | IBV_QP_MIN_RNR_TIMER))
+		die("ibv_modify_qp RTR");
+	memset(&attr, 0, sizeof attr);
+	attr.qp_state = IBV_QPS_RTS;
+	attr.timeout = 14;
+	attr.retry_cnt = 7;
+	attr.rnr_retry = 7;
+	attr.sq_psn = 7;
+	attr.max_rd_atomic = 1;
+	if (ibv_modify_qp(a, &attr, IBV_QP_STATE | IBV_QP_TIMEOUT | IBV_QP_RETRY_CNT | IBV_QP_RNR_RETRY |
+				    IBV_QP_SQ_PSN | IBV_QP_MAX_QP_RD_ATOMIC))
+		die("ibv_modify_qp RTS");
+}
+
+/* The next completion of `cq` (10 s at most). */
+static int wait_wc(struct ibv_cq *cq, struct ibv_wc *wc)
+{
+	time_t end = time(NULL) + 10;
+	while (time(NULL) < end) {
+		int n = ibv_poll_cq(cq, 1, wc);
+		if (n < 0)
+			return -1;
+		if (n == 1)
+			return 0;
+	}
+	return -1;
+}
+
+/* Writes random bytes over every mapping of the library's rings: returns how many. */
+static size_t scribble_over_rings(void)
+{
+	FILE *maps = fopen("/proc/self/maps", "r");
+	char line[512];
+	size_t total = 0;
+	if (!maps)
+		return 0;
+	while (fgets(line, sizeof line, maps)) {
+		unsigned long start, end;
+		char perms[5];
+		if (!strstr(line, "rdmad-qp-ring"))
+			continue;
+		if (sscanf(line, "%lx-%lx %4s", &start, &end, perms) != 3 || perms[1] != 'w')
+			continue;
+		for (unsigned char *p = (unsigned char *)start; p < (unsigned char *)end; p++)
+			*p = (unsigned char)rand();
+		total += end - start;
+	}
+	fclose(maps);
+	return total;
+}
+
+int main(int argc, char **argv)
+{
+	if (argc != 3) {
+		fprintf(stderr, "usage: %s DEVICE GID_INDEX\n", argv[0]);
+		return 2;
+	}
+	int gid_index = atoi(argv[2]);
+	srand(getpid());
+	int n;
+	struct ibv_device **list = ibv_get_device_list(&n);
+	if (!list)
+		die("ibv_get_device_list");
+	struct ibv_device *dev = NULL;
+	for (int i = 0; i < n; i++)
+		if (!strcmp(ibv_get_device_name(list[i]), argv[1]))
+			dev = list[i];
+	if (!dev)
+		die("no such device");
+	struct ibv_context *ctx = ibv_open_device(dev);
+	if (!ctx)
+		die("ibv_open_device");
+	struct ibv_pd *pd = ibv_alloc_pd(ctx);
+	if (!pd)
+		die("ibv_alloc_pd");
+
+	/* Pointers that are not the library's: errors, never a crash. Each fake is zeroed
+	 * memory of the right size, as a program that confused its objects would pass. */
+	static char junk[4096];
+	check(ibv_open_device((struct ibv_device *)junk) == NULL, "ibv_open_device of a foreign device");
+	check(ibv_alloc_pd((struct ibv_context *)junk) == NULL, "ibv_alloc_pd of a foreign context");
+	check(ibv_dealloc_pd((struct ibv_pd *)junk) != 0, "ibv_dealloc_pd of a foreign PD");
+	check(ibv_reg_mr((struct ibv_pd *)junk, junk, 64, IBV_ACCESS_LOCAL_WRITE) == NULL,
+	      "ibv_reg_mr in a foreign PD");
+	check(ibv_reg_mr(pd, (void *)4096, 4096, IBV_ACCESS_LOCAL_WRITE) == NULL,
+	      "ibv_reg_mr of unmapped memory");
+	check(ibv_dereg_mr((struct ibv_mr *)junk) != 0, "ibv_dereg_mr of a foreign MR");
+	check(ibv_create_cq((struct ibv_context *)junk, 8, NULL, NULL, 0) == NULL,
+	      "ibv_create_cq of a foreign context");
+	check(ibv_destroy_cq((struct ibv_cq *)junk) != 0, "ibv_destroy_cq of a foreign CQ");
+	struct ibv_qp_init_attr bad_init = { .qp_type = IBV_QPT_RC };
+	bad_init.send_cq = bad_init.recv_cq = (struct ibv_cq *)junk;
+	check(ibv_create_qp(pd, &bad_init) == NULL, "ibv_create_qp with a foreign CQ");
+	check(ibv_create_qp((struct ibv_pd *)junk, &bad_init) == NULL, "ibv_create_qp in a foreign PD");
+	check(ibv_destroy_qp((struct ibv_qp *)junk) != 0, "ibv_destroy_qp of a foreign QP");
+	struct ibv_cq *cq_out;
+	void *cq_ctx;
+	check(ibv_get_cq_event((struct ibv_comp_channel *)junk, &cq_out, &cq_ctx) != 0,
+	      "ibv_get_cq_event of a foreign channel");
+	check(ibv_destroy_comp_channel((struct ibv_comp_channel *)junk) != 0,
+	      "ibv_destroy_comp_channel of a foreign channel");
+
+	/* Keys it does not own. */
+	union ibv_gid gid;
+	if (ibv_query_gid(ctx, 1, gid_index, &gid))
+		die("ibv_query_gid");
+	struct end a = make_end(ctx, pd), b = make_end(ctx, pd);
+	connect_to(a.qp, b.qp, &gid, gid_index);
+	connect_to(b.qp, a.qp, &gid, gid_index);
+	char *buf = malloc(8192);
+	memset(buf, 0, 8192);
+	struct ibv_mr *mr = ibv_reg_mr(pd, buf, 8192,
+				       IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE | IBV_ACCESS_REMOTE_READ);
+	if (!mr)
+		die("ibv_reg_mr");
+	struct ibv_sge sge = { .addr = (uintptr_t)buf, .length = 64, .lkey = mr->lkey ^ 0x5a5a };
+	struct ibv_send_wr wr = {
+		.wr_id = 1, .sg_list = &sge, .num_sge = 1, .opcode = IBV_WR_SEND, .send_flags = IBV_SEND_SIGNALED,
+	}, *bad_wr = NULL;
+	check(ibv_post_send(a.qp, &wr, &bad_wr) == EINVAL && bad_wr == &wr, "a send with a foreign lkey");
+	sge.lkey = mr->lkey;
+	sge.addr = (uintptr_t)buf + 8190;
+	check(ibv_post_send(a.qp, &wr, &bad_wr) == EINVAL, "a send reaching past its MR");
+	sge.addr = (uintptr_t)buf;
+	wr.opcode = IBV_WR_RDMA_WRITE;
+	wr.wr.rdma.remote_addr = (uintptr_t)buf + 4096;
+	wr.wr.rdma.rkey = mr->rkey ^ 0x0f00;
+	memset(buf, 'x', 64);
+	struct ibv_wc wc;
+	check(ibv_post_send(a.qp, &wr, &bad_wr) == 0 && wait_wc(a.cq, &wc) == 0 &&
+		      wc.status != IBV_WC_SUCCESS,
+	      "an RDMA WRITE with a foreign rkey completes in error");
+	check(buf[4096] == 0, "and writes nothing");
+
+	/* Scribble over the library's rings with requests in flight, then leave. */
+	struct end c = make_end(ctx, pd), d = make_end(ctx, pd);
+	connect_to(c.qp, d.qp, &gid, gid_index);
+	connect_to(d.qp, c.qp, &gid, gid_index);
+	struct ibv_recv_wr rwr = { .wr_id = 2, .sg_list = &sge, .num_sge = 1 }, *bad_rwr;
+	for (int i = 0; i < 16; i++)
+		ibv_post_recv(d.qp, &rwr, &bad_rwr);
+	wr.opcode = IBV_WR_SEND;
+	for (int i = 0; i < 16; i++)
+		ibv_post_send(c.qp, &wr, &bad_wr);
+	size_t scribbled = scribble_over_rings();
+	printf("scribbled %zu bytes\n", scribbled);
+	fflush(stdout);
+	/* Whatever the library now makes of its rings is its own business: poll a little. */
+	for (int i = 0; i < 1000; i++) {
+		ibv_poll_cq(c.cq, 1, &wc);
+		ibv_poll_cq(d.cq, 1, &wc);
+	}
+	_exit(failures ? 1 : 0);
+}
