@@ -14,12 +14,18 @@ const DAEMON_USER: u32 = 1;
 /// Builds one of the C programs in `tests/verbs/` against the distribution's
 /// libibverbs-dev, into a directory any user may run it from.
 fn c_program(name: &str) -> (tempfile::TempDir, PathBuf) {
+    c_program_at(&format!("tests/verbs/{name}.c"))
+}
+
+/// Builds the C program at `path` (in the repository) the same way.
+fn c_program_at(path: &str) -> (tempfile::TempDir, PathBuf) {
     let dir = tempfile::Builder::new()
         .prefix("rdmad-verbs-")
         .tempdir()
         .expect("tempdir");
     std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
-    let source = rdmad_tests::repo_root().join(format!("tests/verbs/{name}.c"));
+    let source = rdmad_tests::repo_root().join(path);
+    let name = source.file_stem().expect("a file name").to_owned();
     let binary = dir.path().join(name);
     let out = std::process::Command::new("cc")
         .args(["-Wall", "-Wextra", "-Werror", "-O1", "-o"])
@@ -268,6 +274,65 @@ mod bodies {
                 result.is_some(),
                 "{tool} {who} ({sides:?}) printed no result line:\n{printed}"
             );
+        }
+    }
+
+    /// The repository's C example (`verbs/examples/rdma-write.c`, built against the
+    /// distribution's libibverbs-dev), unmodified, as two users through rdmad: the client
+    /// RDMA-WRITEs into the server's buffer by the address and rkey the server sent it, the
+    /// server checks every byte, for several sizes, busy-polling and with completion events.
+    pub async fn the_c_example_writes_through_rdmad(provider: &str) {
+        let _alone = rdmad_tests::ALONE.lock().await;
+        let (bus, _daemon) = start_on(provider, "").await;
+        let before = object_counts(&bus).await;
+        let (device, gid) = device_and_gid(&bus).await;
+        let (_dir, example) = c_program_at("verbs/examples/rdma-write.c");
+        let example = example.to_str().unwrap();
+        for (size, iters, events) in [
+            ("1", "3", false),
+            ("65536", "5", true),
+            ("1048576", "2", false),
+        ] {
+            let port = free_port().to_string();
+            let mut args = vec![
+                "exec", "--", example, "-d", &device, "-g", &gid, "-p", &port, "-s", size, "-n",
+                iters,
+            ];
+            if events {
+                args.push("-e");
+            }
+            let server =
+                rdmad_tests::daemon::as_user(Some(NOBODY), &rdmad_tests::binary("rdmactl"))
+                    .args(&args)
+                    .env("RDMAD_BUS_ADDRESS", &bus.address)
+                    .stdout(std::process::Stdio::piped())
+                    .stderr(std::process::Stdio::piped())
+                    .spawn()
+                    .expect("start the example's server");
+            wait_for_listener(port.parse().unwrap()).await;
+            args.push("127.0.0.1");
+            let client = rdmactl(&bus, Some(DAEMON_USER), &args);
+            let server = server.wait_with_output().expect("server output");
+            let client = stdout(&client, "rdma-write client");
+            let server = stdout(&server, "rdma-write server");
+            assert_eq!(
+                server,
+                format!(
+                    "rdma-write: server: {size} bytes written by the peer checked ({iters} \
+                     iterations)\n"
+                ),
+                "events: {events}"
+            );
+            assert_eq!(
+                client,
+                format!("rdma-write: client: {size} bytes written {iters} times\n"),
+                "events: {events}"
+            );
+        }
+        wait_for_sessions(&bus, 0).await;
+        let after = object_counts(&bus).await;
+        for kind in ["qps", "regions", "mrs", "pds", "sessions"] {
+            assert_eq!(after[kind], before[kind], "{kind}: {before:?} -> {after:?}");
         }
     }
 
@@ -578,6 +643,7 @@ rdmad::on_both_providers!(async
     a_verbs_program_killed_mid_transfer_leaves_nothing
         / rxe_a_verbs_program_killed_mid_transfer_leaves_nothing,
     a_hostile_verbs_program_harms_only_itself / rxe_a_hostile_verbs_program_harms_only_itself,
+    the_c_example_writes_through_rdmad / rxe_the_c_example_writes_through_rdmad,
 );
 
 /// One end through rdmad, the other native on rxe0 (VM tier only: the host has no kernel
@@ -627,6 +693,35 @@ async fn ibv_reg_mr_registers_the_programs_own_memory_within_its_quota() {
     for kind in ["regions", "mrs", "sessions"] {
         assert_eq!(after[kind], before[kind], "{kind}: {before:?} -> {after:?}");
     }
+}
+
+/// A program whose rdmad goes away (stopped, crashed, restarted) learns it the way a
+/// program learns its device died: `IBV_EVENT_DEVICE_FATAL` from `ibv_get_async_event`.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_program_is_told_when_rdmad_goes_away() {
+    let _alone = rdmad_tests::ALONE.lock().await;
+    let (bus, mut daemon) = start_on("loopback", "").await;
+    let (_dir, program) = c_program("async_event");
+    let child = rdmad_tests::daemon::as_user(Some(NOBODY), &rdmad_tests::binary("rdmactl"))
+        .args(["exec", "--", program.to_str().unwrap(), "loopback0"])
+        .env("RDMAD_BUS_ADDRESS", &bus.address)
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("start async_event");
+    daemon.wait_for_log("session opened", 1).await;
+    daemon.signal(nix::sys::signal::Signal::SIGTERM);
+    assert!(daemon.wait().await.success());
+    let out = tokio::task::spawn_blocking(move || child.wait_with_output())
+        .await
+        .unwrap()
+        .expect("async_event output");
+    let printed = stdout(&out, "async_event");
+    // `ibv_event_type_str(IBV_EVENT_DEVICE_FATAL)`.
+    assert_eq!(printed, "opened\nevent local catastrophic error\n");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    // Left the bus, or (if it stopped before the watch began) is not on it.
+    assert!(stderr.contains("rdmad-verbs: rdmad "), "{stderr}");
 }
 
 /// A program that cannot reach rdmad is told why, once, and gets no devices.

@@ -45,8 +45,11 @@
  *   -s SIZE       bytes written per iteration (default 4096)
  *   -n ITERS      number of iterations (default 1)
  *   -e            sleep on a completion channel instead of busy-polling the CQ
- * Both sides must be given the same -s and -n.  The client retries the TCP
- * connection for up to 30 s, so it may be started before the server.
+ * Both sides must be given the same -s and -n (a server told to expect more
+ * iterations than the client sends waits forever, as ibv_rc_pingpong does).
+ * The client retries the TCP connection for up to 30 s, so it may be started
+ * before the server.  If the peer vanishes, a send fails after a few
+ * retransmissions with "transport retry counter exceeded".
  *
  * Output: the server prints one line
  *   rdma-write: server: N bytes written by the peer checked (ITERS iterations)

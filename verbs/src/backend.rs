@@ -77,6 +77,19 @@ impl Backend {
         })
     }
 
+    /// Calls `on_gone` (on the library's bus thread) with what happened once the rdmad
+    /// instance serving now leaves the bus, or at once if none serves now.
+    pub fn watch_daemon(&self, on_gone: impl FnOnce(String) + Send + 'static) {
+        // The watch starts before this returns: a departure right after is not missed.
+        match self.block_on(rdmad_client::DaemonWatch::new(&self.connection)) {
+            Ok(mut watch) => {
+                self.runtime
+                    .spawn(async move { on_gone(watch.gone().await.to_string()) });
+            }
+            Err(e) => on_gone(format!("rdmad is not on the bus: {}", e.message())),
+        }
+    }
+
     /// Runs a bus call to completion on the calling thread.
     pub fn block_on<F: std::future::Future>(&self, future: F) -> F::Output {
         self.runtime.block_on(future)

@@ -141,6 +141,9 @@ pub unsafe extern "C" fn __rdmad_ibv_open_device(
         set_errno(libc::EMFILE);
         return std::ptr::null_mut();
     };
+    // The library never waits to post an event (a full pipe already holds 4096).
+    // SAFETY: sets a flag on the pipe's write end, ours alone.
+    unsafe { libc::fcntl(async_events.as_raw_fd(), libc::F_SETFL, libc::O_NONBLOCK) };
     let info: DeviceInfo = lock(&device.info).clone();
     let raw = sys::ibv_context {
         device: &device.raw as *const _ as *mut _,
@@ -159,6 +162,8 @@ pub unsafe extern "C" fn __rdmad_ibv_open_device(
         async_read,
     }));
     registry::add_context(context);
+    // Once the context is live, so that an rdmad gone already tells it too.
+    watch_daemon(backend);
     // SAFETY: `context` is the Box just made; `raw` is its first field.
     unsafe { &mut (*context).raw }
 }
@@ -561,8 +566,44 @@ pub unsafe extern "C" fn __rdmad_ibv_dealloc_pd(pd: *mut sys::ibv_pd) -> c_int {
     0
 }
 
-/// Blocks until the context has an async event. Nothing posts any yet: queue-pair and
-/// port events arrive with the queue pairs.
+/// Posts `IBV_EVENT_DEVICE_FATAL` to every open context once the rdmad instance that
+/// serves them leaves the bus (stopped, crashed, restarted): everything it lent is gone,
+/// as a device that died takes its contexts' objects with it. Watched from the first
+/// context on, once per process.
+fn watch_daemon(backend: &backend::Backend) {
+    static WATCHING: Once = Once::new();
+    WATCHING.call_once(|| {
+        backend.watch_daemon(|gone| {
+            eprintln!("rdmad-verbs: {gone}");
+            registry::for_each_context(|c| {
+                post_async_event(c, sys::ibv_event_type_IBV_EVENT_DEVICE_FATAL, 0)
+            });
+        })
+    });
+}
+
+/// Posts an async event to a context (`ibv_get_async_event` reads it).
+pub fn post_async_event(context: &Context, event_type: sys::ibv_event_type, element: u64) {
+    let record = registry::AsyncRecord {
+        event_type,
+        _pad: 0,
+        element,
+    };
+    // SAFETY: writes the 16 bytes of `record` to the context's own non-blocking pipe; a
+    // full pipe (4096 events unread) drops it, which only a program that never reads its
+    // events can cause.
+    unsafe {
+        libc::write(
+            context.async_events.as_raw_fd(),
+            (&record as *const registry::AsyncRecord).cast(),
+            std::mem::size_of::<registry::AsyncRecord>(),
+        )
+    };
+}
+
+/// Blocks until the context has an async event (or, if the program made `async_fd`
+/// non-blocking, fails with `EAGAIN` when there is none). The events posted:
+/// `IBV_EVENT_DEVICE_FATAL` when rdmad leaves the bus.
 #[no_mangle]
 pub unsafe extern "C" fn __rdmad_ibv_get_async_event(
     ctx: *mut sys::ibv_context,
@@ -577,24 +618,32 @@ pub unsafe extern "C" fn __rdmad_ibv_get_async_event(
         set_errno(libc::EINVAL);
         return -1;
     }
-    let mut byte = 0u8;
-    // SAFETY: reads one byte into `byte` from the context's own pipe (blocking unless the
-    // program made `async_fd` non-blocking, as libibverbs allows).
+    let mut record = registry::AsyncRecord::default();
+    let size = std::mem::size_of::<registry::AsyncRecord>();
+    // SAFETY: reads one record into `record` from the context's own pipe (blocking unless
+    // the program made `async_fd` non-blocking, as libibverbs allows); records are written
+    // whole, so a read gets one whole.
     let n = unsafe {
         libc::read(
             context.async_read.as_raw_fd(),
-            (&mut byte as *mut u8).cast(),
-            1,
+            (&mut record as *mut registry::AsyncRecord).cast(),
+            size,
         )
     };
-    if n != 1 {
-        if n == 0 {
+    if n != size as isize {
+        if n >= 0 {
             set_errno(libc::EIO);
         }
         return -1;
     }
-    set_errno(libc::EIO);
-    -1
+    let mut out = sys::ibv_async_event {
+        event_type: record.event_type,
+        ..Default::default()
+    };
+    out.element.cq = record.element as *mut sys::ibv_cq;
+    // SAFETY: the caller passes a `struct ibv_async_event` to fill.
+    unsafe { event.write(out) };
+    0
 }
 
 #[no_mangle]

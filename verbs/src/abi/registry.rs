@@ -27,8 +27,8 @@ pub struct Context {
     pub device: &'static Device,
     pub info: DeviceInfo,
     pub session: zbus::zvariant::OwnedObjectPath,
-    /// The write end of the pipe whose read end is `raw.async_fd`: async events are
-    /// written here.
+    /// The write end (non-blocking) of the pipe whose read end is `raw.async_fd`: async
+    /// events are written here, one [`AsyncRecord`] each.
     pub async_events: std::os::fd::OwnedFd,
     pub async_read: std::os::fd::OwnedFd,
 }
@@ -57,6 +57,17 @@ pub struct Mr {
 
 /// A completion channel: `raw.fd` is `epoll`, a set holding the completion pipes of the
 /// QPs of the channel's CQs and `kick` (see `events.rs`).
+/// An async event as it travels through a context's pipe: written whole (16 bytes, less
+/// than `PIPE_BUF`, so atomically), read whole by `ibv_get_async_event`.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default)]
+pub struct AsyncRecord {
+    pub event_type: u32,
+    pub _pad: u32,
+    /// The object it concerns (a CQ or QP pointer), or 0.
+    pub element: u64,
+}
+
 #[repr(C)]
 pub struct CompChannel {
     pub raw: sys::ibv_comp_channel,
@@ -153,6 +164,17 @@ pub fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 /// Records a live object of one kind.
 pub fn add_context(ptr: *mut Context) {
     with(|live| live.contexts.insert(ptr as usize));
+}
+/// Calls `f` on every live context, with the registry locked: a context closed
+/// meanwhile waits (`ibv_close_device` forgets a context before it frees it).
+pub fn for_each_context(mut f: impl FnMut(&Context)) {
+    with(|live| {
+        for &ptr in &live.contexts {
+            // SAFETY: addresses in `contexts` are live `Box<Context>`s, and none is freed
+            // while the registry is locked.
+            f(unsafe { &*(ptr as *const Context) });
+        }
+    })
 }
 pub fn is_context(ptr: *const sys::ibv_context) -> bool {
     with(|live| live.contexts.contains(&(ptr as usize)))
