@@ -128,6 +128,8 @@ pub trait QueuePair {
     fn connect(&self, remote: &Endpoint, options: Options<'_>) -> Result<(), Error>;
     /// Moves a queue pair connected with `{"state": "rtr"}` to RTS (option `psn`).
     fn ready(&self, options: Options<'_>) -> Result<(), Error>;
+    /// Moves the queue pair to the error state: what it holds completes flushed.
+    fn flush(&self) -> Result<(), Error>;
     fn destroy(&self) -> Result<(), Error>;
     fn get_info(&self) -> Result<QueuePairInfo, Error>;
 }

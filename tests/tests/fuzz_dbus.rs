@@ -386,6 +386,8 @@ fn assert_every_method_called(totals: &Totals) {
                 "Share",
                 "ExportRemote",
                 "ReleaseExport",
+                "Register",
+                "Deregister",
                 "RevokeKey",
                 "Detach",
                 "GetInfo",
@@ -393,7 +395,9 @@ fn assert_every_method_called(totals: &Totals) {
         ),
         (
             "org.rdmad1.QueuePair",
-            &["Endpoint", "Connect", "Destroy", "GetInfo"],
+            &[
+                "Endpoint", "Connect", "Ready", "Flush", "Destroy", "GetInfo",
+            ],
         ),
         ("org.freedesktop.DBus.Properties", &["Get", "Set", "GetAll"]),
         ("org.freedesktop.DBus.Introspectable", &["Introspect"]),

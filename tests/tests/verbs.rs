@@ -336,6 +336,37 @@ mod bodies {
         }
     }
 
+    /// `ibv_modify_qp` to ERR flushes what the queue pair holds, as a device does
+    /// (`tests/verbs/qp_error.c`): receives posted to a connected QP and receives posted in
+    /// INIT complete with `IBV_WC_WR_FLUSH_ERR`, in order, and so does a send posted after.
+    /// On rxe0 the same program runs natively first: rdmad's answers are the device's.
+    pub async fn moving_a_queue_pair_to_err_flushes_what_it_holds(provider: &str) {
+        let _alone = rdmad_tests::ALONE.lock().await;
+        let (bus, _daemon) = start_on(provider, "").await;
+        let before = object_counts(&bus).await;
+        let (device, gid) = device_and_gid(&bus).await;
+        let (_dir, program) = c_program("qp_error");
+        let program = program.to_str().unwrap();
+        let through_rdmad = stdout(
+            &rdmactl(&bus, Some(NOBODY), &["exec", "--", program, &device, &gid]),
+            "qp_error through rdmad",
+        );
+        assert_eq!(through_rdmad.lines().count(), 7, "{through_rdmad}");
+        assert!(!through_rdmad.contains("FAIL"), "{through_rdmad}");
+        if provider == "verbs" {
+            let native = std::process::Command::new(program)
+                .args([&device, &gid])
+                .output()
+                .expect("run qp_error natively");
+            assert_eq!(stdout(&native, "qp_error natively"), through_rdmad);
+        }
+        wait_for_sessions(&bus, 0).await;
+        let after = object_counts(&bus).await;
+        for kind in ["qps", "regions", "mrs", "pds", "sessions"] {
+            assert_eq!(after[kind], before[kind], "{kind}: {before:?} -> {after:?}");
+        }
+    }
+
     /// A broken or hostile verbs program (`tests/verbs/hostile.c`, as `nobody`) hands the
     /// verbs pointers that are not theirs, posts with keys it does not own, scribbles over
     /// the library's rings with requests in flight and exits without cleaning up, while
@@ -644,6 +675,8 @@ rdmad::on_both_providers!(async
         / rxe_a_verbs_program_killed_mid_transfer_leaves_nothing,
     a_hostile_verbs_program_harms_only_itself / rxe_a_hostile_verbs_program_harms_only_itself,
     the_c_example_writes_through_rdmad / rxe_the_c_example_writes_through_rdmad,
+    moving_a_queue_pair_to_err_flushes_what_it_holds
+        / rxe_moving_a_queue_pair_to_err_flushes_what_it_holds,
 );
 
 /// One end through rdmad, the other native on rxe0 (VM tier only: the host has no kernel

@@ -364,6 +364,17 @@ impl Backend {
         })
     }
 
+    /// Moves a queue pair to the error state: what it holds completes flushed.
+    pub fn flush_queue_pair(&self, path: &OwnedObjectPath) -> Result<(), String> {
+        self.block_on(async {
+            self.queue_pair(path)
+                .await?
+                .flush()
+                .await
+                .map_err(|e| e.to_string())
+        })
+    }
+
     pub fn destroy_queue_pair(&self, path: &OwnedObjectPath) -> Result<(), String> {
         self.block_on(async {
             self.queue_pair(path)

@@ -178,6 +178,22 @@ impl QueuePairObject {
         Ok(())
     }
 
+    /// Moves the queue pair to the error state (verbs' `IBV_QPS_ERR`), from any state:
+    /// every request it still holds completes with `WrFlushError`, as do any posted later.
+    async fn flush(
+        &self,
+        #[zbus(header)] header: Header<'_>,
+        #[zbus(connection)] connection: &Connection,
+    ) -> Result<(), Error> {
+        let caller = self.ctx.caller(connection, &header).await?;
+        let id = self.id;
+        self.ctx
+            .blocking(move |e| e.flush_qp(&caller.owner(), id))
+            .await??;
+        tracing::info!(qp = %self.id, "queue pair moved to the error state");
+        Ok(())
+    }
+
     /// Destroys the queue pair (its windows first).
     async fn destroy(
         &self,

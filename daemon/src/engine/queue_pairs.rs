@@ -176,6 +176,12 @@ impl Engine {
         q.ready(entry.device.as_ref(), psn)
     }
 
+    /// Moves queue pair `id` (`owner`'s connection's) to the error state: what it holds
+    /// completes with `WrFlushError` (a verbs call: may block).
+    pub fn flush_qp(&self, owner: &Owner, id: QpId) -> Result<(), EngineError> {
+        Ok(self.registry.own_qp(owner, id)?.qp.to_error()?)
+    }
+
     /// Destroys queue pair `id` (`owner`'s connection's), its windows first; returns what
     /// was removed.
     pub fn destroy_qp(&self, owner: &Owner, id: QpId) -> Result<Removed, EngineError> {

@@ -782,7 +782,7 @@ const PATHISH: [&str; 12] = [
     "\u{202e}default",
 ];
 /// Options each method knows, with the type each wants (docs/dbus-api.md).
-const OPTIONS: [(&str, &[(&str, char)]); 3] = [
+const OPTIONS: [(&str, &[(&str, char)]); 5] = [
     ("Share", &[("access", 's'), ("expires_in", 't')]),
     ("ExportRemote", &[("access", 's')]),
     (
@@ -792,16 +792,33 @@ const OPTIONS: [(&str, &[(&str, char)]); 3] = [
             ("recv_depth", 'u'),
             ("max_sge", 'u'),
             ("max_inline", 'u'),
+            ("domain", 'u'),
         ],
     ),
+    (
+        "Register",
+        &[
+            ("domain", 'u'),
+            ("offset", 't'),
+            ("length", 't'),
+            ("iova", 't'),
+            ("access", 's'),
+        ],
+    ),
+    ("Ready", &[("psn", 'u')]),
 ];
-const ALL_OPTION_NAMES: [&str; 7] = [
+const ALL_OPTION_NAMES: [&str; 12] = [
     "access",
     "expires_in",
     "send_depth",
     "recv_depth",
     "max_sge",
     "max_inline",
+    "domain",
+    "offset",
+    "length",
+    "iova",
+    "psn",
     "flags",
 ];
 
@@ -1180,11 +1197,26 @@ impl Gen<'_> {
                 ("access", _) if self.method == "Share" => {
                     Value::from(*self.rng.pick(&["ro", "rw", "ro", "rw", "", "RW", "r"]))
                 }
+                ("access", _) if self.method == "Register" => Value::from(
+                    *self
+                        .rng
+                        .pick(&["l", "lrw", "lrwa", "r", "w", "la", "", "lx", "llll"]),
+                ),
                 ("access", _) => Value::from(
                     *self
                         .rng
                         .pick(&["rw", "r", "w", "a", "rwa", "", "rx", "wwww", "ro"]),
                 ),
+                (_, 't') => Value::from(*self.rng.pick(&[
+                    0u64,
+                    1,
+                    4095,
+                    4096,
+                    65536,
+                    u64::MAX,
+                    u64::MAX - 4095,
+                    1 << 47,
+                ])),
                 ("expires_in", _) => Value::from(*self.rng.pick(&[
                     0u64,
                     1,

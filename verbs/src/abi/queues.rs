@@ -655,7 +655,20 @@ pub unsafe extern "C" fn __rdmad_ibv_modify_qp(
                 }
             }
         }
-        (_, sys::ibv_qp_state_IBV_QPS_ERR) => Ok(State::Error),
+        (State::Error, sys::ibv_qp_state_IBV_QPS_ERR) => Ok(State::Error),
+        (_, sys::ibv_qp_state_IBV_QPS_ERR) => {
+            // As on a device: what the QP holds completes with IBV_WC_WR_FLUSH_ERR.
+            match backend::backend().and_then(|b| b.flush_queue_pair(&q.path)) {
+                Ok(()) => {
+                    q.failed = true;
+                    Ok(State::Error)
+                }
+                Err(e) => {
+                    eprintln!("rdmad-verbs: ibv_modify_qp to ERR: {e}");
+                    Err(libc::EINVAL)
+                }
+            }
+        }
         (now, want) if qp_state(now) == want => Ok(now),
         _ => Err(libc::EINVAL),
     };
@@ -663,6 +676,31 @@ pub unsafe extern "C" fn __rdmad_ibv_modify_qp(
         Ok(state) => {
             q.state = state;
             q.raw.state = qp_state(state);
+            // Receives the library kept for the move to RTR never reached rdmad: they are
+            // flushed here, as the device flushes those it holds.
+            let flushed: Vec<sys::ibv_wc> = if state == State::Error {
+                std::mem::take(&mut q.early_recvs)
+                    .iter()
+                    .map(|s| sys::ibv_wc {
+                        wr_id: s.wr_id,
+                        status: sys::ibv_wc_status_IBV_WC_WR_FLUSH_ERR,
+                        opcode: sys::ibv_wc_opcode_IBV_WC_RECV,
+                        qp_num: q.raw.qp_num,
+                        ..Default::default()
+                    })
+                    .collect()
+            } else {
+                Vec::new()
+            };
+            let recv_cq = q.raw.recv_cq;
+            if !flushed.is_empty() {
+                if let Some(cq) = dp.cq(recv_cq) {
+                    cq.pending.extend(flushed);
+                    if cq.armed {
+                        events::kick(cq.raw.channel);
+                    }
+                }
+            }
             0
         }
         Err(e) => e,
@@ -754,7 +792,9 @@ unsafe extern "C" fn post_send(
         return fail(wr, libc::EINVAL);
     };
     let q = &mut dp.qps[i];
-    if q.state != State::Rts {
+    // In ERR the device takes requests and flushes them (IBV_WC_WR_FLUSH_ERR), as rxe
+    // and mlx5 do.
+    if q.state != State::Rts && q.state != State::Error {
         return fail(wr, libc::EINVAL);
     }
     let context = q.raw.context as usize;
@@ -857,7 +897,7 @@ unsafe extern "C" fn post_recv(
         return fail(wr, libc::EINVAL);
     };
     let q = &mut dp.qps[i];
-    if q.state == State::Reset || q.state == State::Error {
+    if q.state == State::Reset {
         return fail(wr, libc::EINVAL);
     }
     let context = q.raw.context as usize;
@@ -870,7 +910,7 @@ unsafe extern "C" fn post_recv(
         };
         let mut s = Submission::new(Opcode::Recv, w.wr_id, RegionSge::default());
         s.sges = sges;
-        if q.state == State::Rtr || q.state == State::Rts {
+        if matches!(q.state, State::Rtr | State::Rts | State::Error) {
             match q.ring.submit(&s) {
                 Ok(Ok(())) => {}
                 Ok(Err(_full)) => return fail(wr, libc::ENOMEM),
