@@ -336,41 +336,52 @@ mod bodies {
         }
     }
 
-    /// `ibv_modify_qp` to ERR flushes what the queue pair holds, as a device does
-    /// (`tests/verbs/qp_error.c`): receives posted to a connected QP and receives posted in
-    /// INIT complete with `IBV_WC_WR_FLUSH_ERR`, in order, and so does a send posted after.
-    /// On rxe0 the same program runs natively first: rdmad's answers are the device's.
-    pub async fn moving_a_queue_pair_to_err_flushes_what_it_holds(provider: &str) {
+    /// What programs rely on beyond the happy path, each a C program of `tests/verbs/`
+    /// printing one line per check, run as `nobody` through rdmad, and on rxe0 natively
+    /// first: rdmad's answers must be the device's, line for line.
+    /// - `qp_error`: `ibv_modify_qp` to ERR flushes what the queue pair holds (receives of
+    ///   a connected QP, receives posted in INIT) with `IBV_WC_WR_FLUSH_ERR`, in order, and
+    ///   so is a send posted after.
+    /// - `events`: a CQ armed before its QP exists raises its event; a non-blocking
+    ///   `channel->fd` answers `EAGAIN` and wakes `poll(2)`; a QP whose send and receive CQs
+    ///   are on two channels raises each channel's event.
+    /// - `inline`: `IBV_SEND_INLINE` from the unregistered stack, overwritten at once,
+    ///   through a send queue of 8 reused five times over.
+    pub async fn verbs_semantics_match_the_device(provider: &str) {
         let _alone = rdmad_tests::ALONE.lock().await;
         let (bus, _daemon) = start_on(provider, "").await;
         let before = object_counts(&bus).await;
         let (device, gid) = device_and_gid(&bus).await;
-        let (_dir, program) = c_program("qp_error");
-        let program = program.to_str().unwrap();
-        let through_rdmad = stdout(
-            &rdmactl(&bus, Some(NOBODY), &["exec", "--", program, &device, &gid]),
-            "qp_error through rdmad",
-        );
-        assert_eq!(through_rdmad.lines().count(), 7, "{through_rdmad}");
-        assert!(!through_rdmad.contains("FAIL"), "{through_rdmad}");
-        if provider == "verbs" {
-            let native = std::process::Command::new(program)
-                .args([&device, &gid])
-                .output()
-                .expect("run qp_error natively");
-            assert_eq!(stdout(&native, "qp_error natively"), through_rdmad);
+        for (name, checks) in [("qp_error", 7), ("events", 10), ("inline", 3)] {
+            let (_dir, program) = c_program(name);
+            let program = program.to_str().unwrap();
+            let through_rdmad = stdout(
+                &rdmactl(&bus, Some(NOBODY), &["exec", "--", program, &device, &gid]),
+                &format!("{name} through rdmad"),
+            );
+            assert_eq!(through_rdmad.lines().count(), checks, "{through_rdmad}");
+            assert!(!through_rdmad.contains("FAIL"), "{through_rdmad}");
+            if provider == "verbs" {
+                let native = std::process::Command::new(program)
+                    .args([&device, &gid])
+                    .output()
+                    .expect("run natively");
+                assert_eq!(stdout(&native, &format!("{name} natively")), through_rdmad);
+            }
         }
         wait_for_sessions(&bus, 0).await;
         let after = object_counts(&bus).await;
-        for kind in ["qps", "regions", "mrs", "pds", "sessions"] {
+        for kind in ["qps", "cqs", "regions", "mrs", "pds", "sessions"] {
             assert_eq!(after[kind], before[kind], "{kind}: {before:?} -> {after:?}");
         }
     }
 
     /// A broken or hostile verbs program (`tests/verbs/hostile.c`, as `nobody`) hands the
-    /// verbs pointers that are not theirs, posts with keys it does not own, scribbles over
-    /// the library's rings with requests in flight and exits without cleaning up, while
-    /// another user's `ibv_rc_pingpong` pair runs beside it: each misuse is an error value,
+    /// verbs pointers that are not theirs, posts with keys it does not own — another
+    /// user's program's rkey among them, through its own connection — scribbles over the
+    /// library's rings with requests in flight and exits without cleaning up, while another
+    /// user's `ibv_rc_pingpong` pair runs beside it: each misuse is an error value, the
+    /// other program's memory is untouched,
     /// the neighbour keeps exchanging (and checking) its messages during and after, rdmad
     /// logs the broken ring with the offender's session, and once both are gone rdmad's
     /// object counts — and on rxe0 the kernel's — are back to their baseline.
@@ -416,17 +427,60 @@ mod bodies {
             tokio::time::sleep(std::time::Duration::from_millis(20)).await;
         }
 
+        // A second program of the neighbour's user, whose registered memory the hostile
+        // program is told the rkey and address of.
+        let mut victim =
+            rdmad_tests::daemon::as_user(Some(DAEMON_USER), &rdmad_tests::binary("rdmactl"))
+                .args([
+                    "exec",
+                    "--",
+                    hostile.to_str().unwrap(),
+                    &device,
+                    &gid,
+                    "victim",
+                ])
+                .env("RDMAD_BUS_ADDRESS", &bus.address)
+                .stdin(std::process::Stdio::piped())
+                .stdout(std::process::Stdio::piped())
+                .stderr(std::process::Stdio::piped())
+                .spawn()
+                .expect("start the victim");
+        let mut victim_out = std::io::BufReader::new(victim.stdout.take().unwrap());
+        let mut line = String::new();
+        std::io::BufRead::read_line(&mut victim_out, &mut line).expect("the victim's rkey");
+        let fields: Vec<&str> = line.split_whitespace().collect();
+        assert!(fields.len() == 3 && fields[0] == "victim", "{line:?}");
+
         let out = rdmactl(
             &bus,
             Some(NOBODY),
-            &["exec", "--", hostile.to_str().unwrap(), &device, &gid],
+            &[
+                "exec",
+                "--",
+                hostile.to_str().unwrap(),
+                &device,
+                &gid,
+                fields[1],
+                fields[2],
+            ],
         );
         let printed = stdout(&out, "hostile");
         assert!(!printed.contains("FAIL"), "{printed}");
-        assert!(
-            printed.lines().filter(|l| l.starts_with("ok ")).count() >= 17,
+        assert_eq!(
+            printed.lines().filter(|l| l.starts_with("ok ")).count(),
+            18,
             "{printed}"
         );
+        assert!(
+            printed
+                .contains("ok an RDMA WRITE with another program's rkey is a remote access error"),
+            "{printed}"
+        );
+        std::io::Write::write_all(victim.stdin.as_mut().unwrap(), b"done\n").unwrap();
+        let mut rest = String::new();
+        std::io::Read::read_to_string(&mut victim_out, &mut rest).unwrap();
+        assert!(victim.wait().unwrap().success(), "{rest}");
+        assert_eq!(rest, "ok the victim's memory is as it was\n");
         let scribbled: u64 = printed
             .lines()
             .find_map(|l| {
@@ -675,8 +729,7 @@ rdmad::on_both_providers!(async
         / rxe_a_verbs_program_killed_mid_transfer_leaves_nothing,
     a_hostile_verbs_program_harms_only_itself / rxe_a_hostile_verbs_program_harms_only_itself,
     the_c_example_writes_through_rdmad / rxe_the_c_example_writes_through_rdmad,
-    moving_a_queue_pair_to_err_flushes_what_it_holds
-        / rxe_moving_a_queue_pair_to_err_flushes_what_it_holds,
+    verbs_semantics_match_the_device / rxe_verbs_semantics_match_the_device,
 );
 
 /// One end through rdmad, the other native on rxe0 (VM tier only: the host has no kernel

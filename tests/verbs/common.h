@@ -14,7 +14,7 @@
 static int failures;
 
 /* One line per check: "ok WHAT" or "FAIL WHAT". */
-static void check(int ok, const char *what)
+static inline void check(int ok, const char *what)
 {
 	printf("%s %s\n", ok ? "ok" : "FAIL", what);
 	fflush(stdout);
@@ -22,7 +22,7 @@ static void check(int ok, const char *what)
 		failures++;
 }
 
-static void die(const char *what)
+static inline void die(const char *what)
 {
 	printf("FAIL %s: %s\n", what, strerror(errno));
 	exit(1);
@@ -34,7 +34,7 @@ struct end {
 };
 
 /* A QP in `pd` with a CQ of its own, RESET. */
-static struct end make_end(struct ibv_context *ctx, struct ibv_pd *pd)
+static inline struct end make_end(struct ibv_context *ctx, struct ibv_pd *pd)
 {
 	struct end e;
 	e.cq = ibv_create_cq(ctx, 64, NULL, NULL, 0);
@@ -53,7 +53,7 @@ static struct end make_end(struct ibv_context *ctx, struct ibv_pd *pd)
 }
 
 /* Moves `a` to RTS towards `b` (both on this process's device and port 1). */
-static void connect_to(struct ibv_qp *a, struct ibv_qp *b, union ibv_gid *gid, int gid_index)
+static inline void connect_to(struct ibv_qp *a, struct ibv_qp *b, union ibv_gid *gid, int gid_index)
 {
 	struct ibv_qp_attr attr = {
 		.qp_state = IBV_QPS_INIT,
@@ -90,7 +90,7 @@ static void connect_to(struct ibv_qp *a, struct ibv_qp *b, union ibv_gid *gid, i
 }
 
 /* The next completion of `cq` (10 s at most). */
-static int wait_wc(struct ibv_cq *cq, struct ibv_wc *wc)
+static inline int wait_wc(struct ibv_cq *cq, struct ibv_wc *wc)
 {
 	time_t end = time(NULL) + 10;
 	while (time(NULL) < end) {

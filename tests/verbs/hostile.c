@@ -5,7 +5,12 @@
  * up. Each step prints "ok ..." when the library answered as libibverbs documents (an
  * error value, never a crash), or "FAIL ...". The last line is "scribbled N bytes".
  *
- *   hostile DEVICE GID_INDEX
+ * Given another program's rkey and address, it also RDMA-WRITEs there through its own
+ * queue pairs: the device must refuse (the rkey belongs to another protection domain).
+ *
+ *   hostile DEVICE GID_INDEX [RKEY ADDR]
+ *   hostile DEVICE GID_INDEX victim   registers 4 KiB with remote write and read, prints
+ *       "victim RKEY ADDR", waits for a line on stdin, then checks its memory is as it was
  */
 #include <errno.h>
 #include <infiniband/verbs.h>
@@ -43,8 +48,8 @@ static size_t scribble_over_rings(void)
 
 int main(int argc, char **argv)
 {
-	if (argc != 3) {
-		fprintf(stderr, "usage: %s DEVICE GID_INDEX\n", argv[0]);
+	if (argc != 3 && argc != 4 && argc != 5) {
+		fprintf(stderr, "usage: %s DEVICE GID_INDEX [RKEY ADDR | victim]\n", argv[0]);
 		return 2;
 	}
 	int gid_index = atoi(argv[2]);
@@ -65,6 +70,24 @@ int main(int argc, char **argv)
 	struct ibv_pd *pd = ibv_alloc_pd(ctx);
 	if (!pd)
 		die("ibv_alloc_pd");
+	if (argc == 4 && !strcmp(argv[3], "victim")) {
+		char *mine = malloc(4096);
+		memset(mine, 'v', 4096);
+		struct ibv_mr *victim = ibv_reg_mr(pd, mine, 4096,
+						   IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE | IBV_ACCESS_REMOTE_READ);
+		if (!victim)
+			die("ibv_reg_mr");
+		printf("victim %u %lu\n", victim->rkey, (unsigned long)(uintptr_t)mine);
+		fflush(stdout);
+		char line[16];
+		if (!fgets(line, sizeof line, stdin))
+			die("stdin");
+		int untouched = 1;
+		for (int i = 0; i < 4096; i++)
+			untouched &= mine[i] == 'v';
+		check(untouched, "the victim's memory is as it was");
+		return failures ? 1 : 0;
+	}
 
 	/* Pointers that are not the library's: errors, never a crash. Each fake is zeroed
 	 * memory of the right size, as a program that confused its objects would pass. */
@@ -123,6 +146,18 @@ int main(int argc, char **argv)
 		      wc.status != IBV_WC_SUCCESS,
 	      "an RDMA WRITE with a foreign rkey completes in error");
 	check(buf[4096] == 0, "and writes nothing");
+
+	/* Another program's rkey, through a connection of its own. */
+	if (argc == 5) {
+		struct end e = make_end(ctx, pd), f = make_end(ctx, pd);
+		connect_to(e.qp, f.qp, &gid, gid_index);
+		connect_to(f.qp, e.qp, &gid, gid_index);
+		wr.wr.rdma.rkey = (uint32_t)strtoul(argv[3], NULL, 0);
+		wr.wr.rdma.remote_addr = strtoull(argv[4], NULL, 0);
+		check(ibv_post_send(e.qp, &wr, &bad_wr) == 0 && wait_wc(e.cq, &wc) == 0 &&
+			      wc.status == IBV_WC_REM_ACCESS_ERR,
+		      "an RDMA WRITE with another program's rkey is a remote access error");
+	}
 
 	/* Scribble over the library's rings with requests in flight, then leave. */
 	struct end c = make_end(ctx, pd), d = make_end(ctx, pd);

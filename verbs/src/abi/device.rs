@@ -568,17 +568,21 @@ pub unsafe extern "C" fn __rdmad_ibv_dealloc_pd(pd: *mut sys::ibv_pd) -> c_int {
 
 /// Posts `IBV_EVENT_DEVICE_FATAL` to every open context once the rdmad instance that
 /// serves them leaves the bus (stopped, crashed, restarted): everything it lent is gone,
-/// as a device that died takes its contexts' objects with it. Watched from the first
-/// context on, once per process.
+/// as a device that died takes its contexts' objects with it. One watch at a time, from
+/// the first context opened while none runs: contexts a program opens on a restarted
+/// rdmad are watched again.
 fn watch_daemon(backend: &backend::Backend) {
-    static WATCHING: Once = Once::new();
-    WATCHING.call_once(|| {
-        backend.watch_daemon(|gone| {
-            eprintln!("rdmad-verbs: {gone}");
-            registry::for_each_context(|c| {
-                post_async_event(c, sys::ibv_event_type_IBV_EVENT_DEVICE_FATAL, 0)
-            });
-        })
+    use std::sync::atomic::{AtomicBool, Ordering};
+    static WATCHING: AtomicBool = AtomicBool::new(false);
+    if WATCHING.swap(true, Ordering::AcqRel) {
+        return;
+    }
+    backend.watch_daemon(|gone| {
+        WATCHING.store(false, Ordering::Release);
+        eprintln!("rdmad-verbs: {gone}");
+        registry::for_each_context(|c| {
+            post_async_event(c, sys::ibv_event_type_IBV_EVENT_DEVICE_FATAL, 0)
+        });
     });
 }
 

@@ -204,7 +204,7 @@ pub unsafe extern "C" fn __rdmad_ibv_get_cq_event(
                 let mut buf = [0u8; 8];
                 // SAFETY: reads the channel's own non-blocking eventfd.
                 unsafe { libc::read(c.kick.as_raw_fd(), buf.as_mut_ptr().cast(), 8) };
-            } else if !data_path().drain(data as c_int) {
+            } else if !data_path().drain(channel, data as c_int) {
                 // Its QP is gone (or rdmad no longer serves it): stop watching it.
                 // SAFETY: removes a descriptor from the channel's live epoll set.
                 unsafe {

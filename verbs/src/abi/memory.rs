@@ -35,6 +35,8 @@ struct Backing {
     region: OwnedObjectPath,
     fd: OwnedFd,
     mrs: usize,
+    /// The context whose session holds the region.
+    context: usize,
 }
 
 static BACKINGS: Mutex<Vec<Backing>> = Mutex::new(Vec::new());
@@ -316,12 +318,23 @@ fn reg_mr(
     let mut backings = lock(&BACKINGS);
     let shared = backings
         .iter()
-        .position(|b| b.start <= start && stop <= b.start + b.len);
+        .position(|b| b.context == context_ptr && b.start <= start && stop <= b.start + b.len);
     if shared.is_none() {
         if let Some(b) = backings
             .iter()
             .find(|b| b.start < stop && start < b.start + b.len)
         {
+            if b.context != context_ptr {
+                return fail(
+                    libc::EINVAL,
+                    &format!(
+                        "{begin:#x}..{end:#x} lies in pages registered through another device \
+                         context ({:#x}..{:#x}): a buffer is registered through one context",
+                        b.start,
+                        b.start + b.len
+                    ),
+                );
+            }
             return fail(
                 libc::EINVAL,
                 &format!(
@@ -386,6 +399,7 @@ fn reg_mr(
                 region,
                 fd,
                 mrs: 0,
+                context: context_ptr,
             });
             backings.len() - 1
         }
@@ -495,7 +509,8 @@ pub unsafe extern "C" fn __rdmad_ibv_dereg_mr(mr: *mut sys::ibv_mr) -> c_int {
     let Some(i) = backings.iter().position(|b| b.start == mr.backing_start) else {
         return 0;
     };
-    // The rkey dies before the call returns.
+    // The rkey dies before the call returns (unless a request of the program's own that
+    // uses the MR is still posted: then when that completes; docs/verbs.md).
     if let Ok(backend) = backend::backend() {
         if let Err(e) = backend.deregister(&backings[i].region, mr.registration) {
             eprintln!("rdmad-verbs: ibv_dereg_mr: {e}");

@@ -76,17 +76,72 @@ struct Qp {
     path_mtu: u32,
     /// Receives posted in INIT, before the queue pair is connected.
     early_recvs: Vec<Submission>,
-    /// Sends posted, and sends known complete (a signaled send's completion completes
-    /// every send before it: RC completes a send queue in order).
-    sends_posted: u64,
-    sends_done: u64,
-    /// The sequence numbers of the signaled sends not completed yet, in order.
-    signaled: VecDeque<u64>,
-    /// A send completed in error: the QP is in the error state, and nothing it still
-    /// holds will be read by the device.
-    failed: bool,
+    /// The sends not known complete.
+    sends: SendQueue,
     /// Where inline data is copied, if the QP takes any.
     inline: Option<InlineStaging>,
+}
+
+/// The send queue as the library sees it. Each send goes on rdmad's ring with its
+/// sequence number as its `wr_id` (the program's own is kept here), so a completion names
+/// exactly its send. The device completes a send queue in order: a send it completed —
+/// successfully or not — completes every send before it. rdmad's own refusals of a request
+/// (before the device saw it) may arrive out of that order and complete only themselves.
+/// As on a device, at most `depth` sends may be outstanding: a program that never asks for
+/// a completion fills the queue (`ENOMEM`).
+#[derive(Debug, Default)]
+struct SendQueue {
+    /// The program's `wr_id`s of the sends from `first_open` on.
+    ids: VecDeque<u64>,
+    /// The oldest send not known complete.
+    first_open: u64,
+    depth: u64,
+}
+
+impl SendQueue {
+    fn next(&self) -> u64 {
+        self.first_open + self.ids.len() as u64
+    }
+
+    fn full(&self) -> bool {
+        self.ids.len() as u64 >= self.depth
+    }
+
+    /// Takes a send: its sequence number, the `wr_id` rdmad's ring carries.
+    fn push(&mut self, wr_id: u64) -> u64 {
+        self.ids.push_back(wr_id);
+        self.next() - 1
+    }
+
+    /// A send the library could not submit after all (the ring was full).
+    fn unpush(&mut self) {
+        self.ids.pop_back();
+    }
+
+    /// The completion of send `seq` with `status`: the program's `wr_id` for it (0 for a
+    /// sequence number no send has, which only a scribbled ring can produce).
+    fn complete(&mut self, seq: u64, status: Status) -> u64 {
+        let Some(index) = seq
+            .checked_sub(self.first_open)
+            .filter(|i| *i < self.ids.len() as u64)
+        else {
+            return 0;
+        };
+        let wr_id = self.ids[index as usize];
+        let in_order = !matches!(
+            status,
+            Status::InvalidEntry
+                | Status::RegionAccessDenied
+                | Status::QueueFull
+                | Status::LocalLengthError
+                | Status::DeviceError
+        );
+        if in_order {
+            self.ids.drain(..=index as usize);
+            self.first_open = seq + 1;
+        }
+        wr_id
+    }
 }
 
 /// Inline data (`IBV_SEND_INLINE`): the bytes are copied at post time into a slot of a
@@ -184,6 +239,15 @@ impl DataPath {
         c.events += 1;
         let found: *mut sys::ibv_cq = &mut c.raw;
         let context = c.raw.cq_context;
+        // Another of the channel's armed CQs ready too (one pipe wake-up stood for both):
+        // the channel stays readable for the next waiter.
+        if self
+            .cqs
+            .iter()
+            .any(|c| c.armed && std::ptr::eq(c.raw.channel, channel) && ready(c))
+        {
+            events::kick(channel);
+        }
         let armed: Vec<*const sys::ibv_cq> = self
             .cqs
             .iter()
@@ -201,14 +265,28 @@ impl DataPath {
         Some((found, context))
     }
 
-    /// Reads empty the completion pipe `fd` of one of the QPs; false if no QP has it any
-    /// more, or rdmad closed its end.
-    pub(super) fn drain(&mut self, fd: c_int) -> bool {
+    /// Reads empty the completion pipe `fd` of one of the QPs, for `channel`; false if no
+    /// QP has it any more, or rdmad closed its end. The wake-up may have been another
+    /// channel's too (a QP whose send and receive CQs are on two channels): each other
+    /// channel with an armed CQ of the QP is made readable.
+    pub(super) fn drain(&mut self, channel: *const sys::ibv_comp_channel, fd: c_int) -> bool {
         use std::os::fd::AsRawFd;
-        self.qps
+        let Some(q) = self
+            .qps
             .iter()
             .find(|q| q.ring.completion_fd().as_raw_fd() == fd)
-            .is_some_and(|q| q.ring.drain_wakeups().unwrap_or(false))
+        else {
+            return false;
+        };
+        let open = q.ring.drain_wakeups().unwrap_or(false);
+        let (send, recv) = (q.raw.send_cq, q.raw.recv_cq);
+        for c in &self.cqs {
+            let ours = std::ptr::eq(&c.raw, send) || std::ptr::eq(&c.raw, recv);
+            if ours && c.armed && !std::ptr::eq(c.raw.channel, channel) {
+                events::kick(c.raw.channel);
+            }
+        }
+        open
     }
 
     /// `ibv_ack_cq_events`.
@@ -447,10 +525,10 @@ pub unsafe extern "C" fn __rdmad_ibv_create_qp(
         port: 1,
         path_mtu: endpoint.mtu,
         early_recvs: Vec::new(),
-        sends_posted: 0,
-        sends_done: 0,
-        signaled: VecDeque::new(),
-        failed: false,
+        sends: SendQueue {
+            depth: u64::from(max_send_wr),
+            ..SendQueue::default()
+        },
         inline,
     });
     // The channels of its CQs hear of its completions.
@@ -462,7 +540,17 @@ pub unsafe extern "C" fn __rdmad_ibv_create_qp(
         }
     }
     let ptr: *mut sys::ibv_qp = &mut qp.raw;
-    data_path().qps.push(qp);
+    let mut dp = data_path();
+    // A CQ armed before its QP existed wakes for this QP's completions too.
+    let armed = [attr.send_cq, attr.recv_cq]
+        .iter()
+        .any(|&c| dp.cq(c).is_some_and(|c| c.armed));
+    if armed {
+        if let Err(e) = qp.ring.request_wakeups(true) {
+            eprintln!("rdmad-verbs: ibv_create_qp: {e}");
+        }
+    }
+    dp.qps.push(qp);
     ptr
 }
 
@@ -539,10 +627,11 @@ unsafe fn stage_inline(q: &Qp, list: *const sys::ibv_sge, n: c_int) -> Result<Re
     if n < 0 || (n > 0 && list.is_null()) {
         return Err(libc::EINVAL);
     }
-    if !q.failed && q.sends_posted - q.sends_done >= staging.slots {
+    // The slot's previous send is known complete: at most `slots` (the depth) are open.
+    if q.sends.full() {
         return Err(libc::ENOMEM);
     }
-    let offset = (q.sends_posted % staging.slots) as usize * staging.slot;
+    let offset = (q.sends.next() % staging.slots) as usize * staging.slot;
     let mut at = 0usize;
     for i in 0..n as usize {
         // SAFETY: i < n, as the caller promised.
@@ -659,10 +748,7 @@ pub unsafe extern "C" fn __rdmad_ibv_modify_qp(
         (_, sys::ibv_qp_state_IBV_QPS_ERR) => {
             // As on a device: what the QP holds completes with IBV_WC_WR_FLUSH_ERR.
             match backend::backend().and_then(|b| b.flush_queue_pair(&q.path)) {
-                Ok(()) => {
-                    q.failed = true;
-                    Ok(State::Error)
-                }
+                Ok(()) => Ok(State::Error),
                 Err(e) => {
                     eprintln!("rdmad-verbs: ibv_modify_qp to ERR: {e}");
                     Err(libc::EINVAL)
@@ -854,9 +940,13 @@ unsafe extern "C" fn post_send(
             ),
             _ => return fail(wr, libc::EOPNOTSUPP),
         };
+        if q.sends.full() {
+            return fail(wr, libc::ENOMEM);
+        }
+        let seq = q.sends.push(w.wr_id);
         let submission = Submission {
             opcode,
-            wr_id: w.wr_id,
+            wr_id: seq,
             signaled: q.sq_sig_all || w.send_flags & sys::ibv_send_flags_IBV_SEND_SIGNALED != 0,
             imm,
             remote_addr,
@@ -865,16 +955,15 @@ unsafe extern "C" fn post_send(
             swap,
             sges,
         };
-        let signaled = submission.signaled;
-        match q.ring.submit(&submission) {
+        let submitted = q.ring.submit(&submission);
+        if !matches!(submitted, Ok(Ok(()))) {
+            q.sends.unpush();
+        }
+        match submitted {
             Ok(Ok(())) => {}
             Ok(Err(_full)) => return fail(wr, libc::ENOMEM),
             Err(_) => return fail(wr, libc::EIO),
         }
-        if signaled {
-            q.signaled.push_back(q.sends_posted);
-        }
-        q.sends_posted += 1;
         wr = w.next;
     }
     0
@@ -997,21 +1086,11 @@ unsafe extern "C" fn poll_cq(cq: *mut sys::ibv_cq, n: c_int, wc: *mut sys::ibv_w
             continue;
         }
         while got.len() < n as usize {
-            let Ok(Some(c)) = q.ring.poll() else { break };
+            let Ok(Some(mut c)) = q.ring.poll() else {
+                break;
+            };
             if c.opcode != Opcode::Recv {
-                match c.status {
-                    // This signaled send is done, and every send before it.
-                    Status::Success => {
-                        if let Some(seq) = q.signaled.pop_front() {
-                            q.sends_done = seq + 1;
-                        }
-                    }
-                    // rdmad refused one request before the device: the QP goes on (and
-                    // the count of sends done may lag, which only holds slots longer).
-                    Status::InvalidEntry | Status::RegionAccessDenied | Status::QueueFull => {}
-                    // The device failed a send: the QP is in the error state.
-                    _ => q.failed = true,
-                }
+                c.wr_id = q.sends.complete(c.wr_id, c.status);
             }
             let target = if c.opcode == Opcode::Recv { recv } else { send };
             let w = work_completion(&c, q.raw.qp_num);

@@ -220,13 +220,19 @@ mod bodies {
             "{refused}"
         );
 
-        // Freeing the region takes its registrations; closing the sessions, the domains.
+        // Freeing the region takes its registrations; closing the session, those of the
+        // regions it still holds, and its domains.
         alice.free(region).unwrap();
-        assert_eq!(engine.registry.usage(1000).get(QuotaKind::Registrations), 0);
+        let registrations = || engine.registry.usage(1000).get(QuotaKind::Registrations);
+        assert_eq!(registrations(), 0);
+        let kept = alice.allocate(sa, &pool, 4096).unwrap().region;
+        register(&alice, kept, 2, span, Access::LOCAL_WRITE).unwrap();
+        assert_eq!(registrations(), 1);
         drop((ring_a1, ring_b1, ring_b0, alice_mr, bob_mr));
         alice.close_session(sa).unwrap();
         bob.close_session(sb).unwrap();
         engine.settled();
+        assert_eq!(registrations(), 0);
         assert_eq!(device.object_counts(), baseline);
     }
 }
