@@ -433,7 +433,8 @@ mod bodies {
                 "registered_bytes",
                 "keys",
                 "qps",
-                "exports"
+                "exports",
+                "registrations"
             ],
             "every limit, in the documented order"
         );

@@ -177,9 +177,16 @@ impl Engine {
     }
 
     /// Moves queue pair `id` (`owner`'s connection's) to the error state: what it holds
-    /// completes with `WrFlushError` (a verbs call: may block).
+    /// completes with `WrFlushError`, and what is posted later too (verbs calls: may
+    /// block). A queue pair never connected goes through INIT first: devices (rxe) refuse
+    /// RESET → ERR, and a queue pair in RESET would refuse later requests instead of
+    /// flushing them.
     pub fn flush_qp(&self, owner: &Owner, id: QpId) -> Result<(), EngineError> {
-        Ok(self.registry.own_qp(owner, id)?.qp.to_error()?)
+        let q = self.registry.own_qp(owner, id)?;
+        if q.state() == QpState::Reset {
+            q.qp.to_init(q.local.port, crate::provider::Access::NONE)?;
+        }
+        Ok(q.qp.to_error()?)
     }
 
     /// Destroys queue pair `id` (`owner`'s connection's), its windows first; returns what

@@ -33,6 +33,7 @@ pub fn run_all(dev: &dyn Device) {
     bad_lkey_is_a_local_protection_error(dev);
     a_registration_with_a_bound_window_lingers(dev);
     a_span_under_an_iova_is_reached_through_its_pd_only(dev);
+    error_is_reached_from_init_not_from_reset(dev);
     assert_eq!(
         dev.object_counts(),
         base,
@@ -595,4 +596,23 @@ fn a_span_under_an_iova_is_reached_through_its_pd_only(dev: &dyn Device) {
     assert_eq!(c.completion().status, WcStatus::RemoteAccessError);
     assert_eq!(y.read(4096, 8), [0u8; 8]);
     assert_eq!(d.read(0, 8), [0u8; 8]);
+}
+
+/// Any state but RESET may move to ERROR (the kernel's `ib_modify_qp_is_ok` has no
+/// RESET → ERR): a QP never brought to INIT refuses, one in INIT flushes its receives.
+fn error_is_reached_from_init_not_from_reset(dev: &dyn Device) {
+    let side = Side::new(dev, 4096);
+    assert!(side.qp.to_error().is_err(), "RESET → ERR must be refused");
+    assert_eq!(side.qp.state().unwrap(), QpState::Reset);
+    side.qp.to_init(1, Access::NONE).expect("to_init");
+    side.qp
+        .post_recv(&[RecvWr {
+            wr_id: 30,
+            sges: vec![side.sge(0, 64)],
+        }])
+        .unwrap();
+    side.qp.to_error().expect("INIT → ERR");
+    assert_eq!(side.qp.state().unwrap(), QpState::Error);
+    let wc = side.completion();
+    assert_eq!((wc.wr_id, wc.status), (30, WcStatus::WrFlushError));
 }

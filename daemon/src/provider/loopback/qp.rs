@@ -1326,6 +1326,10 @@ impl QueuePair for LoopbackQp {
     }
 
     fn to_error(&self) -> Result<()> {
+        // As the kernel: any state but RESET may move to ERR.
+        if lock(&self.inner.data).state == QpState::Reset {
+            return Err(self.invalid("cannot move from Reset to ERR".to_owned()));
+        }
         let inner = Arc::clone(&self.inner);
         drive(&self.inner.pd.device, |ex| ex.error(&inner));
         Ok(())
