@@ -352,7 +352,7 @@ mod bodies {
         let (bus, _daemon) = start_on(provider, "").await;
         let before = object_counts(&bus).await;
         let (device, gid) = device_and_gid(&bus).await;
-        for (name, checks) in [("qp_error", 7), ("events", 10), ("inline", 3)] {
+        for (name, checks) in [("qp_error", 7), ("events", 10), ("inline", 2)] {
             let (_dir, program) = c_program(name);
             let program = program.to_str().unwrap();
             let through_rdmad = stdout(

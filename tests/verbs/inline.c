@@ -1,7 +1,7 @@
 /* Inline sends as programs use them, through whatever libibverbs it is run with: a QP
  * created with max_inline_data sends IBV_SEND_INLINE messages straight from the program's
  * unregistered stack, which it overwrites as soon as ibv_post_send returns; a send queue
- * of 8 with one send in 4 signaled carries 40 of them (so each inline slot is reused five
+ * of 8 with one send in 4 signaled carries 40 of them (each of its slots reused five
  * times), and the receiver checks every message. One line per check ("ok ..." or
  * "FAIL ..."); exit 0 if all held.
  *
@@ -94,7 +94,10 @@ int main(int argc, char **argv)
 			die("ibv_post_recv again");
 	}
 	check(wrong == 0, "every message arrived as it was when posted");
-	check(refused > 0, "the send queue filled and freed up (slots reused)");
+	/* Whether the send queue ever filled (`refused`) is the device's business: rxe frees
+	 * an unsignaled send's slot once it is sent, mlx5 and rdmad once a later signaled
+	 * send's completion is polled. */
+	(void)refused;
 
 	if (ibv_destroy_qp(sender) || ibv_destroy_qp(receiver.qp) || ibv_destroy_cq(send_cq) ||
 	    ibv_destroy_cq(receiver.cq) || ibv_dereg_mr(mr) || ibv_dealloc_pd(pd) || ibv_close_device(ctx))
