@@ -63,7 +63,9 @@ fn channel<'a>(ptr: *const sys::ibv_comp_channel) -> Option<&'a CompChannel> {
         return None;
     }
     // SAFETY: registered channels are `Box<CompChannel>`s whose `raw` is the first field,
-    // live until `ibv_destroy_comp_channel`, which refuses while a CQ uses them.
+    // live until `ibv_destroy_comp_channel` (which refuses while a CQ uses them); a program
+    // that destroys a channel while another of its threads waits on it breaks libibverbs's
+    // rules too, as for contexts.
     Some(unsafe { &*(ptr as *const CompChannel) })
 }
 
