@@ -144,6 +144,18 @@ impl SendQueue {
     }
 }
 
+impl Qp {
+    /// A completion taken from the ring, as the program sees it, and the CQ it belongs
+    /// to (the send or the receive CQ); a send's completion also advances the send queue.
+    fn take_completion(&mut self, mut c: Completion) -> (*mut sys::ibv_cq, sys::ibv_wc) {
+        if c.opcode == Opcode::Recv {
+            return (self.raw.recv_cq, work_completion(&c, self.raw.qp_num));
+        }
+        c.wr_id = self.sends.complete(c.wr_id, c.status);
+        (self.raw.send_cq, work_completion(&c, self.raw.qp_num))
+    }
+}
+
 /// Inline data (`IBV_SEND_INLINE`): the bytes are copied at post time into a slot of a
 /// region of the QP's own, registered in its domain, and the request names that slot.
 /// Slot `n % slots` holds send `n`'s bytes; send `n + slots` may be posted only once send
@@ -222,12 +234,16 @@ impl DataPath {
         &mut self,
         channel: *const sys::ibv_comp_channel,
     ) -> Option<(*mut sys::ibv_cq, *mut c_void)> {
+        self.sort_split_rings();
         let qps = &self.qps;
+        // A QP with one CQ for both queues: its ring's completions are that CQ's. One
+        // with two: they were sorted into the CQs' pending completions just now.
         let ready = |c: &Cq| {
             let cq: *const sys::ibv_cq = &c.raw;
             !c.pending.is_empty()
                 || qps.iter().any(|q| {
-                    (std::ptr::eq(q.raw.send_cq, cq) || std::ptr::eq(q.raw.recv_cq, cq))
+                    std::ptr::eq(q.raw.send_cq, cq)
+                        && std::ptr::eq(q.raw.recv_cq, cq)
                         && q.ring.has_completion().unwrap_or(true)
                 })
         };
@@ -263,6 +279,30 @@ impl DataPath {
             }
         }
         Some((found, context))
+    }
+
+    /// Moves the completions waiting in the rings of QPs whose send and receive CQs differ
+    /// into those CQs' pending completions, so that which CQ has one is known without
+    /// polling it (a receive completion must not raise the send CQ's event); an armed CQ
+    /// that got one has its channel made readable.
+    fn sort_split_rings(&mut self) {
+        let mut sorted: Vec<(*mut sys::ibv_cq, sys::ibv_wc)> = Vec::new();
+        for q in self.qps.iter_mut() {
+            if std::ptr::eq(q.raw.send_cq, q.raw.recv_cq) {
+                continue;
+            }
+            while let Ok(Some(c)) = q.ring.poll() {
+                sorted.push(q.take_completion(c));
+            }
+        }
+        for (target, wc) in sorted {
+            if let Some(cq) = self.cq(target) {
+                cq.pending.push_back(wc);
+                if cq.armed {
+                    events::kick(cq.raw.channel);
+                }
+            }
+        }
     }
 
     /// Reads empty the completion pipe `fd` of one of the QPs, for `channel`; false if no
@@ -1086,14 +1126,10 @@ unsafe extern "C" fn poll_cq(cq: *mut sys::ibv_cq, n: c_int, wc: *mut sys::ibv_w
             continue;
         }
         while got.len() < n as usize {
-            let Ok(Some(mut c)) = q.ring.poll() else {
+            let Ok(Some(c)) = q.ring.poll() else {
                 break;
             };
-            if c.opcode != Opcode::Recv {
-                c.wr_id = q.sends.complete(c.wr_id, c.status);
-            }
-            let target = if c.opcode == Opcode::Recv { recv } else { send };
-            let w = work_completion(&c, q.raw.qp_num);
+            let (target, w) = q.take_completion(c);
             if std::ptr::eq(target, cq) {
                 got.push(w);
             } else {
