@@ -17,6 +17,9 @@ pub mod watch;
 pub use error::Error;
 pub use mapping::RegionMapping;
 pub use names::{device_path, BUS_NAME, MANAGER_PATH};
+/// The inline vector type of [`ring::RegionSges`], re-exported so callers need no
+/// dependency of their own to build one.
+pub use smallvec;
 pub use types::{Capabilities, GidEntry, PortInfo};
 pub use watch::{DaemonGone, DaemonWatch};
 

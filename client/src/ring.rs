@@ -174,8 +174,13 @@ pub struct Submission {
     /// Fetch-and-add: the addend; compare-and-swap: the compare value.
     pub compare_add: u64,
     pub swap: u64,
-    pub sges: Vec<RegionSge>,
+    pub sges: RegionSges,
 }
+
+/// A submission's SGEs: at most [`MAX_SGE`] fit an entry, all kept inline (decoding an
+/// entry allocates nothing). Build one with `smallvec::smallvec![…]` or `.into()` from a
+/// `Vec`.
+pub type RegionSges = smallvec::SmallVec<[RegionSge; MAX_SGE]>;
 
 const FLAG_SIGNALED: u8 = 1;
 const FLAG_IMM: u8 = 2;
@@ -227,7 +232,7 @@ impl Submission {
             rkey: 0,
             compare_add: 0,
             swap: 0,
-            sges: vec![sge],
+            sges: smallvec::smallvec![sge],
         }
     }
 
@@ -283,7 +288,7 @@ impl Submission {
         if imm.is_some() && !matches!(opcode, Opcode::Send | Opcode::Write) {
             return fail(DecodeError::ImmediateNotAllowed);
         }
-        let sges: Vec<RegionSge> = (0..usize::from(num_sge))
+        let sges: RegionSges = (0..usize::from(num_sge))
             .map(|i| {
                 let at = 48 + i * 24;
                 RegionSge {
@@ -441,7 +446,7 @@ mod tests {
             rkey: 0x55aa,
             compare_add: 0,
             swap: 0,
-            sges: vec![
+            sges: smallvec::smallvec![
                 RegionSge {
                     region: 3,
                     offset: 4096,
@@ -468,7 +473,7 @@ mod tests {
             rkey: 1,
             compare_add: 1,
             swap: 0,
-            sges: vec![RegionSge {
+            sges: smallvec::smallvec![RegionSge {
                 region: 1,
                 offset: 0,
                 length: 8,

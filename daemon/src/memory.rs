@@ -151,6 +151,39 @@ impl SharedMemory {
         short_copy(done, data.len())
     }
 
+    /// Copies `len` bytes at `offset` to `dst` at `dst_offset` in one pass, with no buffer
+    /// between (a device's copy). Where either side is hugepage memory the bytes go
+    /// through a buffer, each side copied by the kernel as in [`SharedMemory::read_at`],
+    /// so a punched hugepage fails the copy (`EFAULT`, with the side it failed on), not the
+    /// daemon; what moved before stays.
+    pub fn copy_to(
+        &self,
+        offset: usize,
+        dst: &SharedMemory,
+        dst_offset: usize,
+        len: usize,
+    ) -> Result<(), CopyError> {
+        let source = |e| CopyError::Source(e);
+        let target = |e| CopyError::Target(e);
+        self.check_range(offset, len).map_err(source)?;
+        dst.check_range(dst_offset, len).map_err(target)?;
+        if !self.hugepages && !dst.hugepages {
+            return self
+                .map
+                .copy_to(offset, &dst.map, dst_offset, len)
+                .map_err(target);
+        }
+        let mut buf = vec![0u8; len.min(HUGEPAGE_BOUNCE)];
+        let mut done = 0;
+        while done < len {
+            let n = (len - done).min(buf.len());
+            self.read_at(offset + done, &mut buf[..n]).map_err(source)?;
+            dst.write_at(dst_offset + done, &buf[..n]).map_err(target)?;
+            done += n;
+        }
+        Ok(())
+    }
+
     /// An acquire load of the `u32` at `offset` (4-byte aligned), for ring indices another
     /// process publishes.
     pub fn load_u32(&self, offset: usize) -> io::Result<u32> {
@@ -167,6 +200,16 @@ impl SharedMemory {
     pub fn check_range(&self, offset: usize, len: usize) -> io::Result<()> {
         self.map.check_range(offset, len)
     }
+}
+
+/// The most bytes a copy involving hugepage memory moves per step through its buffer.
+const HUGEPAGE_BOUNCE: usize = 64 << 10;
+
+/// A failed [`SharedMemory::copy_to`]: the side it failed on, and why.
+#[derive(Debug)]
+pub enum CopyError {
+    Source(io::Error),
+    Target(io::Error),
 }
 
 /// A kernel copy that stopped early hit a page it could not fault in.

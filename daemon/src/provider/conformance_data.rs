@@ -120,7 +120,7 @@ impl Side {
             .post_send(&[SendWr {
                 wr_id,
                 op,
-                sges,
+                sges: sges.into(),
                 signaled: true,
             }])
             .expect("post_send");
@@ -219,7 +219,7 @@ fn send_recv_with_scatter_gather_and_immediate(dev: &dyn Device) {
     a.write(4096, b"world");
     b.qp.post_recv(&[RecvWr {
         wr_id: 7,
-        sges: vec![b.sge(100, 5), b.sge(200, 100)],
+        sges: smallvec::smallvec![b.sge(100, 5), b.sge(200, 100)],
     }])
     .unwrap();
     a.post(
@@ -285,7 +285,7 @@ fn write_with_immediate_consumes_a_receive(dev: &dyn Device) {
     let rkey = b.bind_window(Access::REMOTE_WRITE);
     b.qp.post_recv(&[RecvWr {
         wr_id: 11,
-        sges: vec![],
+        sges: smallvec::smallvec![],
     }])
     .unwrap();
     a.write(0, b"imm");
@@ -434,7 +434,7 @@ fn bad_lkey_is_a_local_protection_error(dev: &dyn Device) {
     let (a, b) = pair(dev, 4096);
     b.qp.post_recv(&[RecvWr {
         wr_id: 1,
-        sges: vec![b.sge(0, 64)],
+        sges: smallvec::smallvec![b.sge(0, 64)],
     }])
     .unwrap();
     let mut bad = a.sge(0, 8);
@@ -546,13 +546,13 @@ fn a_span_under_an_iova_is_reached_through_its_pd_only(dev: &dyn Device) {
     // A local request names the span's bytes by the iova too.
     a.qp.post_recv(&[RecvWr {
         wr_id: 21,
-        sges: vec![a.sge(100, 7)],
+        sges: smallvec::smallvec![a.sge(100, 7)],
     }])
     .unwrap();
     b.qp.post_send(&[SendWr {
         wr_id: 22,
         op: SendOp::Send { imm: None },
-        sges: vec![Sge {
+        sges: smallvec::smallvec![Sge {
             addr: IOVA + 10,
             length: 7,
             lkey: reg.lkey(),
@@ -608,7 +608,7 @@ fn error_is_reached_from_init_not_from_reset(dev: &dyn Device) {
     side.qp
         .post_recv(&[RecvWr {
             wr_id: 30,
-            sges: vec![side.sge(0, 64)],
+            sges: smallvec::smallvec![side.sge(0, 64)],
         }])
         .unwrap();
     side.qp.to_error().expect("INIT → ERR");

@@ -400,18 +400,22 @@ pub enum SendOp {
     },
 }
 
+/// A work request's scatter/gather list: up to four SGEs are kept inline (as many as a
+/// ring entry carries), so a request on the data path allocates nothing.
+pub type Sges = smallvec::SmallVec<[Sge; 4]>;
+
 #[derive(Debug, Clone)]
 pub struct SendWr {
     pub wr_id: u64,
     pub op: SendOp,
-    pub sges: Vec<Sge>,
+    pub sges: Sges,
     pub signaled: bool,
 }
 
 #[derive(Debug, Clone)]
 pub struct RecvWr {
     pub wr_id: u64,
-    pub sges: Vec<Sge>,
+    pub sges: Sges,
 }
 
 /// Completion status (`ibv_wc_status`, the subset rdmad reports by name).

@@ -15,7 +15,7 @@ use std::ffi::{c_int, c_uint, c_void};
 use std::sync::Mutex;
 
 use rdmad_client::queue_pair::QueuePairRing;
-use rdmad_client::ring::{Completion, Opcode, RegionSge, Status, Submission, MAX_SGE};
+use rdmad_client::ring::{Completion, Opcode, RegionSge, RegionSges, Status, Submission, MAX_SGE};
 use rdmad_client::types::Endpoint;
 use zbus::zvariant::OwnedObjectPath;
 
@@ -883,11 +883,11 @@ pub unsafe extern "C" fn __rdmad_ibv_query_qp(
 ///
 /// # Safety
 /// `list` must point at `n` `struct ibv_sge` (the program's work request).
-unsafe fn sges(context: usize, list: *const sys::ibv_sge, n: c_int) -> Option<Vec<RegionSge>> {
+unsafe fn sges(context: usize, list: *const sys::ibv_sge, n: c_int) -> Option<RegionSges> {
     if n < 0 || n as usize > MAX_SGE || (n > 0 && list.is_null()) {
         return None;
     }
-    let mut out = Vec::with_capacity(n as usize);
+    let mut out = RegionSges::new();
     for i in 0..n as usize {
         // SAFETY: i < n, as the caller promised.
         let s = unsafe { *list.add(i) };
@@ -938,7 +938,7 @@ unsafe extern "C" fn post_send(
         let sges = if inline {
             // SAFETY: the request's own SGE list, whose bytes an inline send copies now.
             match unsafe { stage_inline(q, w.sg_list, w.num_sge) } {
-                Ok(sge) => vec![sge],
+                Ok(sge) => rdmad_client::smallvec::smallvec![sge],
                 Err(e) => return fail(wr, e),
             }
         } else {

@@ -4,7 +4,9 @@
 //! the device, polls the CQ and writes completions back as the ring has room. The worker's
 //! own requests (window binds and invalidations) go through the same send queue.
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::VecDeque;
+
+use rustc_hash::FxHashMap as HashMap;
 use std::sync::Arc;
 
 use rdmad_client::ring::{self, header, Completion, Opcode, Status, Submission, SQE_SIZE};
@@ -12,7 +14,7 @@ use rdmad_client::ring::{self, header, Completion, Opcode, Status, Submission, S
 use super::validate::{self, RegionRights, Work};
 use super::worker::{Reply, WorkerError};
 use crate::engine::qp::{QpId, QueuePairRecord};
-use crate::provider::{MemoryRegion, PostError, WcOpcode, WcStatus, WorkCompletion};
+use crate::provider::{PostError, WcOpcode, WcStatus, WorkCompletion};
 
 /// The most submissions one QP gets taken in one pass of the worker: a QP with a full ring
 /// waits for the next pass like every other, so each pass over N busy QPs costs at most N
@@ -24,7 +26,7 @@ struct InFlight {
     client_wr_id: u64,
     opcode: Opcode,
     signaled: bool,
-    _pins: Vec<Arc<dyn MemoryRegion>>,
+    _pins: validate::Pins,
 }
 
 /// The worker's private view of one QP: its own copies of the indices (never read back
@@ -65,11 +67,11 @@ impl ServedQp {
         ServedQp {
             id,
             record,
-            internal: HashMap::new(),
+            internal: HashMap::default(),
             sq_head: 0,
             cq_tail: 0,
             next_wr: 1,
-            in_flight: HashMap::new(),
+            in_flight: HashMap::default(),
             sends: 0,
             recvs: 0,
             backlog: VecDeque::new(),
@@ -419,7 +421,7 @@ impl ServedQp {
         let wr = crate::provider::SendWr {
             wr_id,
             op,
-            sges: Vec::new(),
+            sges: Default::default(),
             signaled: true,
         };
         match self.record.qp.post_send(std::slice::from_ref(&wr)) {

@@ -4,14 +4,13 @@
 //! device writes, read-only attachments only as a source — and translated to
 //! `(daemon address, lkey)`.
 
-use std::collections::HashMap;
 use std::sync::Arc;
 
 use rdmad_client::ring::{Opcode, Status, Submission};
 
 use crate::engine::ids::DomainId;
 use crate::engine::RegionId;
-use crate::provider::{Access, MemoryRegion, RecvWr, SendOp, SendWr, Sge};
+use crate::provider::{Access, MemoryRegion, RecvWr, SendOp, SendWr, Sge, Sges};
 
 /// A region as a session may use it on the data path.
 #[derive(Debug, Clone)]
@@ -26,14 +25,18 @@ pub struct RegionRight {
     pub in_domains: Vec<(DomainId, Arc<dyn MemoryRegion>)>,
 }
 
-/// What a session's QPs may touch, by region id.
-pub type RegionRights = HashMap<RegionId, RegionRight>;
+/// What a session's QPs may touch, by region id (ids the daemon hands out, so a fast
+/// hash that a client cannot steer is enough).
+pub type RegionRights = rustc_hash::FxHashMap<RegionId, RegionRight>;
+
+/// The registrations a request uses, kept inline for as many SGEs as a ring entry holds.
+pub type Pins = smallvec::SmallVec<[Arc<dyn MemoryRegion>; 4]>;
 
 /// A checked request, with the registrations it uses: they stay alive until it completes.
 #[derive(Debug)]
 pub struct Checked {
     pub work: Work,
-    pub pins: Vec<Arc<dyn MemoryRegion>>,
+    pub pins: Pins,
 }
 
 #[derive(Debug)]
@@ -89,8 +92,8 @@ pub fn check(
         s.opcode,
         Opcode::Read | Opcode::FetchAdd | Opcode::CompareSwap | Opcode::Recv
     );
-    let mut sges = Vec::with_capacity(s.sges.len());
-    let mut pins: Vec<Arc<dyn MemoryRegion>> = Vec::with_capacity(s.sges.len());
+    let mut sges = Sges::new();
+    let mut pins = Pins::new();
     for (i, sge) in s.sges.iter().enumerate() {
         let denied = Refusal {
             status: Status::RegionAccessDenied,
@@ -181,7 +184,7 @@ mod tests {
     fn rights() -> (RegionRights, Vec<Arc<dyn MemoryRegion>>) {
         let dev = LoopbackDevice::new("lo-validate");
         let pd = dev.alloc_pd().unwrap();
-        let mut rights = RegionRights::new();
+        let mut rights = RegionRights::default();
         let mut mrs = Vec::new();
         for (id, writable) in [(1, true), (2, false)] {
             let mem = Arc::new(SharedMemory::create(c"v", 8192).unwrap());

@@ -33,7 +33,11 @@ mod qp;
 #[cfg(test)]
 mod tests;
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashSet;
+
+// The device's tables are keyed by numbers the device hands out (keys, QP numbers), so a
+// fast hash no client can steer into collisions is enough.
+use rustc_hash::FxHashMap;
 use std::net::Ipv6Addr;
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, Weak};
@@ -129,11 +133,11 @@ struct Shared {
     name: String,
     counters: Arc<Counters>,
     /// lkey (= rkey) → registration: what the device checks a work request against.
-    translations: Mutex<HashMap<u32, Registration>>,
+    translations: Mutex<FxHashMap<u32, Registration>>,
     /// Window table index (`rkey >> 8`) → window.
-    windows: Mutex<HashMap<u32, WindowEntry>>,
+    windows: Mutex<FxHashMap<u32, WindowEntry>>,
     /// qp_num → QP; strong references are only taken from it while holding `exec`.
-    qps: Mutex<HashMap<u32, Weak<qp::QpInner>>>,
+    qps: Mutex<FxHashMap<u32, Weak<qp::QpInner>>>,
     /// The execution lock (see the module documentation).
     exec: Mutex<()>,
     /// Key-table indices of MRs and windows (a leaf lock).
@@ -247,24 +251,27 @@ impl Shared {
     }
 
     fn gids(&self) -> Vec<GidEntry> {
-        gid_table()
+        GIDS.iter()
+            .enumerate()
+            .map(|(index, &gid)| GidEntry {
+                index: index as u32,
+                gid,
+                gid_type: GidType::RoceV2,
+            })
+            .collect()
+    }
+
+    /// Whether `gid` is one of the device's (its port's GID table).
+    fn has_gid(&self, gid: Ipv6Addr) -> bool {
+        GIDS.contains(&gid)
     }
 }
 
-fn gid_table() -> Vec<GidEntry> {
-    vec![
-        GidEntry {
-            index: 0,
-            gid: Ipv6Addr::new(0xfe80, 0, 0, 0, 0, 0xff, 0xfe00, 1),
-            gid_type: GidType::RoceV2,
-        },
-        GidEntry {
-            index: 1,
-            gid: std::net::Ipv4Addr::LOCALHOST.to_ipv6_mapped(),
-            gid_type: GidType::RoceV2,
-        },
-    ]
-}
+/// The port's GID table: a link-local address and 127.0.0.1, both RoCE v2.
+const GIDS: [Ipv6Addr; 2] = [
+    Ipv6Addr::new(0xfe80, 0, 0, 0, 0, 0xff, 0xfe00, 1),
+    std::net::Ipv4Addr::LOCALHOST.to_ipv6_mapped(),
+];
 
 /// The loopback device.
 #[derive(Debug, Clone)]

@@ -39,13 +39,14 @@ use super::{
     Shared, MAX_INLINE_DATA, MAX_QP, MAX_QP_RD_ATOM, MAX_QP_WR, MAX_SGE, PORT_MTU,
 };
 use crate::lock::lock;
-use crate::memory::SharedMemory;
+use crate::memory::{CopyError, SharedMemory};
 use crate::provider::counters::Tracked;
 use crate::provider::{
     Access, CompletionQueue, MemoryRegion, MemoryWindow, MwType, ObjectKind, PostError,
     ProviderError, QpInit, QpState, QueuePair, RecvWr, RemoteEndpoint, Result, RtrAttributes,
     RtsAttributes, SendOp, SendWr, Sge, WcOpcode, WcStatus, WorkCompletion,
 };
+use smallvec::SmallVec;
 
 /// Check RDMA accesses through a window against the window's own range as well as its
 /// MR's. rxe checks the MR only; the IB spec (and the brief for this device) wants both.
@@ -511,7 +512,7 @@ impl Exec<'_> {
         let Some(remote) = remote else {
             return Err(unreachable);
         };
-        if !self.device.gids().iter().any(|g| g.gid == remote.gid) {
+        if !self.device.has_gid(remote.gid) {
             return Err(unreachable);
         }
         let Some(peer) = self.lookup(remote.qp_num) else {
@@ -625,9 +626,16 @@ impl Exec<'_> {
                 Ok(recv) => recv,
                 Err(step) => return step,
             };
-            match plan_scatter(self.device, peer.pd.id, &recv.sges, total as usize) {
+            match locate(
+                self.device,
+                peer.pd.id,
+                &recv.sges,
+                0,
+                total,
+                Access::LOCAL_WRITE,
+            ) {
                 Ok(_) => {}
-                Err(ScatterError::Length) => {
+                Err(Unlocated::Length) => {
                     // The receiver sees a local length error; the sender an invalid request.
                     self.responder_error(
                         &peer,
@@ -636,7 +644,7 @@ impl Exec<'_> {
                     );
                     return Step::Failed(WcStatus::RemoteInvalidRequestError);
                 }
-                Err(ScatterError::Protection) => {
+                Err(Unlocated::Protection) => {
                     self.responder_error(
                         &peer,
                         Some((&recv, WcOpcode::Recv)),
@@ -653,16 +661,37 @@ impl Exec<'_> {
         };
         let n = (total - progress.done).min(*budget);
         if n > 0 {
-            let data = match gather_range(self.device, qp.pd.id, &wr.sges, progress.done, n) {
-                Ok(data) => data,
-                Err(status) => {
-                    // The message never arrives: its receive stays the responder's.
-                    self.give_back(qp, progress);
-                    progress.recv = None;
-                    return Step::Failed(status);
+            let moved = locate(
+                self.device,
+                qp.pd.id,
+                &wr.sges,
+                progress.done,
+                n,
+                Access::NONE,
+            )
+            .map_err(Unlocated::gather_status)
+            .and_then(|source| {
+                let target = locate(
+                    self.device,
+                    peer.pd.id,
+                    &recv.sges,
+                    progress.done,
+                    n,
+                    Access::LOCAL_WRITE,
+                );
+                match target {
+                    Ok(target) => transfer(&source, &target),
+                    Err(_) => Err(Side::Target),
                 }
-            };
-            if scatter_range(self.device, peer.pd.id, &recv.sges, progress.done, &data).is_err() {
+                .map_err(|side| side.status(WcStatus::LocalProtectionError))
+            });
+            if let Err(Some(status)) = moved {
+                // The message never arrives: its receive stays the responder's.
+                self.give_back(qp, progress);
+                progress.recv = None;
+                return Step::Failed(status);
+            }
+            if moved.is_err() {
                 progress.recv = None;
                 self.responder_error(
                     &peer,
@@ -733,25 +762,38 @@ impl Exec<'_> {
         }
         let n = (total - progress.done).min(*budget);
         if n > 0 {
-            let data = match gather_range(self.device, qp.pd.id, &wr.sges, progress.done, n) {
-                Ok(data) => data,
-                Err(status) => {
+            let moved = locate(
+                self.device,
+                qp.pd.id,
+                &wr.sges,
+                progress.done,
+                n,
+                Access::NONE,
+            )
+            .map_err(Unlocated::gather_status)
+            .and_then(|source| {
+                let target = resolve_remote(
+                    self.device,
+                    &peer,
+                    remote.rkey,
+                    remote.addr.wrapping_add(progress.done),
+                    n,
+                    Access::REMOTE_WRITE,
+                );
+                match target {
+                    Some(target) => transfer(&source, &[target]),
+                    None => Err(Side::Target),
+                }
+                .map_err(|side| side.status(WcStatus::LocalProtectionError))
+            });
+            match moved {
+                Ok(()) => {}
+                Err(Some(status)) => {
                     self.give_back(qp, progress);
                     progress.recv = None;
                     return Step::Failed(status);
                 }
-            };
-            let target = resolve_remote(
-                self.device,
-                &peer,
-                remote.rkey,
-                remote.addr.wrapping_add(progress.done),
-                n,
-                Access::REMOTE_WRITE,
-            );
-            match target {
-                Some((memory, offset)) if memory.write_at(offset, &data).is_ok() => {}
-                _ => {
+                Err(None) => {
                     let taken = progress.recv.take();
                     let consumed = taken.as_ref().map(|r| (r, WcOpcode::RecvRdmaWithImm));
                     self.responder_error(&peer, consumed, WcStatus::RemoteAccessError);
@@ -804,7 +846,6 @@ impl Exec<'_> {
         }
         let n = (total - progress.done).min(*budget);
         if n > 0 {
-            let mut data = vec![0u8; n as usize];
             let source = resolve_remote(
                 self.device,
                 &peer,
@@ -813,20 +854,45 @@ impl Exec<'_> {
                 n,
                 Access::REMOTE_READ,
             );
-            match source {
-                Some((memory, offset)) if memory.read_at(offset, &mut data).is_ok() => {}
-                _ => {
-                    self.responder_error(&peer, None, WcStatus::RemoteAccessError);
-                    return Step::Failed(WcStatus::RemoteAccessError);
-                }
-            }
+            let Some(source) = source else {
+                self.responder_error(&peer, None, WcStatus::RemoteAccessError);
+                return Step::Failed(WcStatus::RemoteAccessError);
+            };
+            // The whole scatter list is checked with the first chunk (the chunk itself,
+            // when it is the whole message).
             if !progress.started
-                && plan_scatter(self.device, qp.pd.id, &wr.sges, total as usize).is_err()
+                && n < total
+                && locate(
+                    self.device,
+                    qp.pd.id,
+                    &wr.sges,
+                    0,
+                    total,
+                    Access::LOCAL_WRITE,
+                )
+                .is_err()
             {
                 return Step::Failed(WcStatus::LocalProtectionError);
             }
-            if scatter_range(self.device, qp.pd.id, &wr.sges, progress.done, &data).is_err() {
-                return Step::Failed(WcStatus::LocalProtectionError);
+            let target = locate(
+                self.device,
+                qp.pd.id,
+                &wr.sges,
+                progress.done,
+                n,
+                Access::LOCAL_WRITE,
+            );
+            let moved = match target {
+                Ok(target) => transfer(&[source], &target),
+                Err(_) => Err(Side::Target),
+            };
+            match moved {
+                Ok(()) => {}
+                Err(Side::Source) => {
+                    self.responder_error(&peer, None, WcStatus::RemoteAccessError);
+                    return Step::Failed(WcStatus::RemoteAccessError);
+                }
+                Err(Side::Target) => return Step::Failed(WcStatus::LocalProtectionError),
             }
             progress.done += n;
             *budget -= n;
@@ -854,14 +920,17 @@ impl Exec<'_> {
             self.responder_error(&peer, None, WcStatus::RemoteInvalidRequestError);
             return Step::Failed(WcStatus::RemoteInvalidRequestError);
         }
-        let Some((memory, offset)) = resolve_remote(
+        let Some(Piece {
+            memory, at: offset, ..
+        }) = resolve_remote(
             self.device,
             &peer,
             rkey,
             remote_addr,
             8,
             Access::REMOTE_ATOMIC,
-        ) else {
+        )
+        else {
             self.responder_error(&peer, None, WcStatus::RemoteAccessError);
             return Step::Failed(WcStatus::RemoteAccessError);
         };
@@ -883,8 +952,8 @@ impl Exec<'_> {
         }
         // The original value lands in our SGEs (local write needed), as rxe's completer
         // does after the responder has executed.
-        match plan_scatter(self.device, qp.pd.id, &wr.sges, 8) {
-            Ok(plan) => write_plan(&plan, &old.to_ne_bytes()),
+        match locate(self.device, qp.pd.id, &wr.sges, 0, 8, Access::LOCAL_WRITE) {
+            Ok(target) => scatter_bytes(&target, &old.to_ne_bytes()),
             Err(_) => return Step::Failed(WcStatus::LocalProtectionError),
         }
         Step::Done(8)
@@ -982,11 +1051,11 @@ fn resolve_remote(
     addr: u64,
     len: u64,
     needed: Access,
-) -> Option<(Arc<SharedMemory>, usize)> {
+) -> Option<Piece> {
     let pd = responder.pd.id;
     if let Some(reg) = device.registration(rkey) {
         let ok = reg.pd == pd && reg.access.contains(needed) && reg.contains(addr, len);
-        return ok.then(|| (Arc::clone(&reg.memory), reg.memory_offset(addr)));
+        return ok.then(|| reg.piece(addr, len));
     }
     let entry = lock(&device.windows).get(&(rkey >> 8)).cloned()?;
     let binding = entry.binding?;
@@ -999,8 +1068,7 @@ fn resolve_remote(
         return None;
     }
     let reg = device.registration(binding.mr_key)?;
-    reg.contains(addr, len)
-        .then(|| (Arc::clone(&reg.memory), reg.memory_offset(addr)))
+    reg.contains(addr, len).then(|| reg.piece(addr, len))
 }
 
 /// A local SGE's registration, if `lkey` is registered in `pd`, covers the range and grants
@@ -1061,111 +1129,121 @@ fn pieces(sges: &[Sge], offset: u64, len: u64) -> impl Iterator<Item = (u32, u64
     })
 }
 
-/// A local piece's registration and offset in it, if `lkey` is registered in `pd`, covers
-/// the piece and grants `needed`.
-fn local_piece(
-    device: &Shared,
-    pd: u64,
-    (lkey, addr, len): (u32, u64, u64),
-    needed: Access,
-) -> Option<(Registration, usize)> {
-    device
-        .registration(lkey)
-        .filter(|reg| reg.pd == pd && reg.access.contains(needed) && reg.contains(addr, len))
-        .map(|reg| {
-            let offset = reg.memory_offset(addr);
-            (reg, offset)
-        })
+/// `len` bytes of `memory` at `at`: a contiguous piece of a message.
+pub(super) struct Piece {
+    memory: Arc<SharedMemory>,
+    at: usize,
+    len: usize,
 }
 
-/// Reads `[offset, offset + len)` of the message a gather list describes.
-fn gather_range(
+/// The pieces of a message: as many as its SGEs, kept inline for up to four.
+type Pieces = SmallVec<[Piece; 4]>;
+
+impl Registration {
+    /// `[addr, addr + len)`, inside this registration, as a piece of its memory.
+    fn piece(&self, addr: u64, len: u64) -> Piece {
+        Piece {
+            memory: Arc::clone(&self.memory),
+            at: self.memory_offset(addr),
+            len: len as usize,
+        }
+    }
+}
+
+/// Why part of a message could not be located in local memory.
+#[derive(Debug, Clone, Copy)]
+enum Unlocated {
+    /// The SGEs hold fewer bytes than the message.
+    Length,
+    /// A piece lies outside every registration of the PD, or one without the right.
+    Protection,
+}
+
+impl Unlocated {
+    /// The status of a gather list that cannot supply the message (the requester's own
+    /// error).
+    fn gather_status(self) -> Option<WcStatus> {
+        Some(match self {
+            Unlocated::Length => WcStatus::LocalLengthError,
+            Unlocated::Protection => WcStatus::LocalProtectionError,
+        })
+    }
+}
+
+/// Where `[offset, offset + len)` of the message `sges` describes lies: each SGE's part,
+/// inside a registration of `pd` that grants `needed`.
+fn locate(
     device: &Shared,
     pd: u64,
     sges: &[Sge],
     offset: u64,
     len: u64,
-) -> std::result::Result<Vec<u8>, WcStatus> {
-    let mut data = Vec::with_capacity(len as usize);
-    for piece in pieces(sges, offset, len) {
-        let (reg, at) =
-            local_piece(device, pd, piece, Access::NONE).ok_or(WcStatus::LocalProtectionError)?;
-        let start = data.len();
-        data.resize(start + piece.2 as usize, 0);
-        reg.memory
-            .read_at(at, &mut data[start..])
-            .map_err(|_| WcStatus::LocalProtectionError)?;
+    needed: Access,
+) -> std::result::Result<Pieces, Unlocated> {
+    let mut found = Pieces::new();
+    let mut total = 0;
+    for (lkey, addr, n) in pieces(sges, offset, len) {
+        let reg = device
+            .registration(lkey)
+            .filter(|reg| reg.pd == pd && reg.access.contains(needed) && reg.contains(addr, n))
+            .ok_or(Unlocated::Protection)?;
+        found.push(reg.piece(addr, n));
+        total += n;
     }
-    if data.len() as u64 != len {
-        return Err(WcStatus::LocalLengthError);
+    if total != len {
+        return Err(Unlocated::Length);
     }
-    Ok(data)
+    Ok(found)
 }
 
-/// Writes `data` at `offset` of the message a scatter list describes (local write needed).
-fn scatter_range(
-    device: &Shared,
-    pd: u64,
-    sges: &[Sge],
-    offset: u64,
-    data: &[u8],
-) -> std::result::Result<(), ScatterError> {
-    let mut pos = 0usize;
-    for piece in pieces(sges, offset, data.len() as u64) {
-        let (reg, at) =
-            local_piece(device, pd, piece, Access::LOCAL_WRITE).ok_or(ScatterError::Protection)?;
-        let n = piece.2 as usize;
-        reg.memory
-            .write_at(at, &data[pos..pos + n])
-            .map_err(|_| ScatterError::Protection)?;
-        pos += n;
+/// The side of a transfer that failed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Side {
+    Source,
+    Target,
+}
+
+impl Side {
+    /// `None` for the target (each caller knows what the responder sees), `source` for the
+    /// source.
+    fn status(self, source: WcStatus) -> Option<WcStatus> {
+        (self == Side::Source).then_some(source)
     }
-    if pos != data.len() {
-        return Err(ScatterError::Length);
+}
+
+/// Copies a message from its source pieces to its target pieces, piece by piece, in one
+/// pass: memory to memory, no buffer between (the pieces hold the same number of bytes).
+fn transfer(source: &[Piece], target: &[Piece]) -> std::result::Result<(), Side> {
+    let (mut i, mut j, mut from, mut to) = (0, 0, 0, 0);
+    while let (Some(s), Some(t)) = (source.get(i), target.get(j)) {
+        let n = (s.len - from).min(t.len - to);
+        s.memory
+            .copy_to(s.at + from, &t.memory, t.at + to, n)
+            .map_err(|e| match e {
+                CopyError::Source(_) => Side::Source,
+                CopyError::Target(_) => Side::Target,
+            })?;
+        from += n;
+        to += n;
+        if from == s.len {
+            (i, from) = (i + 1, 0);
+        }
+        if to == t.len {
+            (j, to) = (j + 1, 0);
+        }
     }
     Ok(())
 }
 
-enum ScatterError {
-    Length,
-    Protection,
-}
-
-/// Where `len` bytes go in a scatter list: each touched SGE must be registered in `pd`
-/// with local write, and the list must be long enough.
-fn plan_scatter(
-    device: &Shared,
-    pd: u64,
-    sges: &[Sge],
-    len: usize,
-) -> std::result::Result<Vec<(Registration, usize, usize)>, ScatterError> {
-    let mut remaining = len;
-    let mut plan = Vec::new();
-    for sge in sges.iter().filter(|s| s.length > 0) {
-        if remaining == 0 {
-            break;
-        }
-        let n = remaining.min(sge.length as usize);
-        let reg = local(device, pd, sge, n as u64, Access::LOCAL_WRITE)
-            .ok_or(ScatterError::Protection)?;
-        let offset = reg.memory_offset(sge.addr);
-        plan.push((reg, offset, n));
-        remaining -= n;
-    }
-    if remaining > 0 {
-        return Err(ScatterError::Length);
-    }
-    Ok(plan)
-}
-
-fn write_plan(plan: &[(Registration, usize, usize)], data: &[u8]) {
+/// Writes `data` (as long as the pieces together) into `target`.
+fn scatter_bytes(target: &[Piece], data: &[u8]) {
     let mut pos = 0;
-    for (reg, offset, n) in plan {
-        // Checked against the registration when planned; cannot fail.
-        if let Err(e) = reg.memory.write_at(*offset, &data[pos..pos + n]) {
+    for piece in target {
+        // Located inside a registration; cannot fail but for a punched hugepage.
+        if let Err(e) = piece.memory.write_at(piece.at, &data[pos..pos + piece.len]) {
             tracing::error!("loopback: scatter failed: {e}");
         }
-        pos += n;
+        pos += piece.len;
     }
 }
 

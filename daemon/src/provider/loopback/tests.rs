@@ -131,13 +131,16 @@ impl End {
         Ok(self.qp.post_send(&[SendWr {
             wr_id,
             op,
-            sges,
+            sges: sges.into(),
             signaled: true,
         }])?)
     }
 
     fn recv(&self, wr_id: u64, sges: Vec<Sge>) -> Result<()> {
-        Ok(self.qp.post_recv(&[RecvWr { wr_id, sges }])?)
+        Ok(self.qp.post_recv(&[RecvWr {
+            wr_id,
+            sges: sges.into(),
+        }])?)
     }
 
     fn polled(&self) -> Vec<WorkCompletion> {
@@ -395,19 +398,19 @@ fn errors_flush_later_requests_in_order() {
         SendWr {
             wr_id: 1,
             op: send(1),
-            sges: vec![bad],
+            sges: smallvec::smallvec![bad],
             signaled: true,
         },
         SendWr {
             wr_id: 2,
             op: send(2),
-            sges: vec![],
+            sges: smallvec::smallvec![],
             signaled: false,
         },
         SendWr {
             wr_id: 3,
             op: send(3),
-            sges: vec![],
+            sges: smallvec::smallvec![],
             signaled: true,
         },
     ])
@@ -445,7 +448,7 @@ fn queue_depths_are_enforced() {
         .map(|i| SendWr {
             wr_id: i,
             op: send(i),
-            sges: vec![],
+            sges: smallvec::smallvec![],
             signaled: true,
         })
         .collect();
@@ -460,11 +463,11 @@ fn queue_depths_are_enforced() {
     b.qp.post_recv(&[
         RecvWr {
             wr_id: 1,
-            sges: vec![],
+            sges: smallvec::smallvec![],
         },
         RecvWr {
             wr_id: 2,
-            sges: vec![],
+            sges: smallvec::smallvec![],
         },
     ])
     .unwrap();
@@ -636,7 +639,7 @@ fn window_types_keys_and_bounds() {
             len: 64,
             access: Access::REMOTE_WRITE,
         },
-        sges: vec![],
+        sges: smallvec::smallvec![],
         signaled: true,
     };
     assert!(is_invalid(b.qp.post_send(&[bind1]).map_err(|e| e.error)));
@@ -800,13 +803,13 @@ fn event_fd_wakes_only_when_armed() {
                 SendWr {
                     wr_id: 2,
                     op: send(2),
-                    sges: vec![],
+                    sges: smallvec::smallvec![],
                     signaled: true,
                 },
                 SendWr {
                     wr_id: 3,
                     op: send(3),
-                    sges: vec![],
+                    sges: smallvec::smallvec![],
                     signaled: true,
                 },
             ])

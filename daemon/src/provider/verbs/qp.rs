@@ -660,7 +660,7 @@ mod tests {
         qp.post_send(&[SendWr {
             wr_id,
             op,
-            sges,
+            sges: sges.into(),
             signaled: true,
         }])
         .unwrap();
@@ -869,7 +869,7 @@ mod tests {
             cq.arm().unwrap();
             b.post_recv(&[RecvWr {
                 wr_id: 5,
-                sges: vec![sge(&mr, 100, 16)],
+                sges: smallvec::smallvec![sge(&mr, 100, 16)],
             }])
             .unwrap();
             post(
@@ -900,7 +900,7 @@ mod tests {
             cq.arm().unwrap();
             b.post_recv(&[RecvWr {
                 wr_id: 7,
-                sges: vec![sge(&mr, 100, 16)],
+                sges: smallvec::smallvec![sge(&mr, 100, 16)],
             }])
             .unwrap();
             post(
@@ -915,7 +915,7 @@ mod tests {
             // ERROR flushes what is outstanding.
             b.post_recv(&[RecvWr {
                 wr_id: 9,
-                sges: vec![sge(&mr, 200, 16)],
+                sges: smallvec::smallvec![sge(&mr, 200, 16)],
             }])
             .unwrap();
             b.to_error().unwrap();
@@ -949,7 +949,7 @@ mod tests {
                         rkey: mr.rkey(),
                         imm: None,
                     },
-                    sges: vec![sge(&mr, 0, 8)],
+                    sges: smallvec::smallvec![sge(&mr, 0, 8)],
                     signaled: false,
                 })
                 .collect();

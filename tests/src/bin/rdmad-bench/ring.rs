@@ -259,7 +259,7 @@ impl Floor {
                     rkey: self.dst.rkey(),
                     imm: None,
                 },
-                sges: vec![Sge {
+                sges: rdmad_client::smallvec::smallvec![Sge {
                     addr: self.src.addr(),
                     length: LEN,
                     lkey: self.src.lkey(),

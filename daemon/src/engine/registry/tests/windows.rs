@@ -83,7 +83,7 @@ impl Peer {
                     rkey,
                     imm: None,
                 },
-                sges: vec![Sge {
+                sges: smallvec::smallvec![Sge {
                     addr: self.mr.addr(),
                     length: 8,
                     lkey: self.mr.lkey(),
