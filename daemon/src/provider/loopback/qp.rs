@@ -335,18 +335,26 @@ impl Exec<'_> {
             }
             let step = self.execute(qp, &wr, &mut progress, &mut budget);
             budget = budget.saturating_sub(REQUEST_COST.min(budget));
-            // The head always says what it holds (a receive it took), whatever comes next.
-            if let Some(head) = lock(&qp.data).sq.front_mut() {
-                head.progress = progress;
-            }
+            let popped = {
+                let mut data = lock(&qp.data);
+                if let Step::Done(_) = step {
+                    data.sq.pop_front()
+                } else {
+                    // The head always says what it holds (a receive it took), whatever
+                    // comes next.
+                    if let Some(head) = data.sq.front_mut() {
+                        head.progress = progress;
+                    }
+                    None
+                }
+            };
+            drop(popped);
             match step {
                 Step::Partial => {
                     qp.send_cq.continue_later(qp.qp_num);
                     return;
                 }
                 Step::Done(byte_len) => {
-                    let popped = lock(&qp.data).sq.pop_front();
-                    drop(popped);
                     if wr.signaled {
                         let wc = WorkCompletion {
                             wr_id: wr.wr_id,
