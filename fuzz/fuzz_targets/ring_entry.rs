@@ -38,7 +38,7 @@ fn session() -> &'static Session {
     static SESSION: OnceLock<Session> = OnceLock::new();
     SESSION.get_or_init(|| {
         let pd = LoopbackDevice::new("fuzz0").alloc_pd().unwrap();
-        let mut rights = RegionRights::new();
+        let mut rights = RegionRights::default();
         for (id, len, writable) in [(1u64, 4096, true), (2, 65536, true), (3, 8192, false)] {
             let memory = Arc::new(SharedMemory::create(c"fuzz", len).unwrap());
             let mr = pd.register(Arc::clone(&memory), Access::LOCAL_WRITE).unwrap();
