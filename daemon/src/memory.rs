@@ -7,7 +7,8 @@
 //! write it, punch holes in it (`fallocate(PUNCH_HOLE)`), keep it after the daemon let go.
 //! So the daemon
 //! - copies in and out with atomic accesses ([`RegionMapping::read`]/[`RegionMapping::write`]),
-//!   never with plain copies of memory that races;
+//!   and from one mapping to another with the CPU's string copy, which the compiler cannot
+//!   see into ([`RegionMapping::copy_to`]), never with plain copies of memory that races;
 //! - never faults a hugepage-backed file through its own mapping: a punched hugepage is
 //!   refaulted from the system's free hugepages, and when there is none left the fault is a
 //!   `SIGBUS` that would kill the daemon. Hugepage memory is copied by the kernel
