@@ -508,8 +508,9 @@ impl Exec<'_> {
         self.error(peer);
     }
 
-    /// The connected peer, or how long one transport retry waits if it does not answer.
-    fn peer(&self, qp: &QpInner) -> std::result::Result<Arc<QpInner>, Step> {
+    /// The connected peer and the remote rights its QP grants (read with its state), or how
+    /// long one transport retry waits if it does not answer.
+    fn peer(&self, qp: &QpInner) -> std::result::Result<(Arc<QpInner>, Access), Step> {
         let (remote, timeout) = {
             let data = lock(&qp.data);
             (data.remote.clone(), data.timeout)
@@ -526,7 +527,7 @@ impl Exec<'_> {
         let Some(peer) = self.lookup(remote.qp_num) else {
             return Err(unreachable);
         };
-        {
+        let access = {
             let data = lock(&peer.data);
             let ready = matches!(data.state, QpState::Rtr | QpState::Rts);
             // The responder acknowledges to its own destination QP: if that is not us, we
@@ -535,8 +536,9 @@ impl Exec<'_> {
             if !ready || !connected_back {
                 return Err(unreachable);
             }
-        }
-        Ok(peer)
+            data.access
+        };
+        Ok((peer, access))
     }
 
     /// Takes the responder's next receive, or says how long the RNR timer is.
@@ -622,8 +624,8 @@ impl Exec<'_> {
         if total > MAX_MESSAGE {
             return Step::Failed(WcStatus::LocalLengthError);
         }
-        let peer = match self.peer(qp) {
-            Ok(peer) => peer,
+        let (peer, _) = match self.peer(qp) {
+            Ok(found) => found,
             Err(step) => return step,
         };
         if !progress.started {
@@ -728,11 +730,6 @@ impl Exec<'_> {
         Step::Done(byte_len)
     }
 
-    /// The opcode check of the responder: its QP must allow `needed` remotely.
-    fn allows(peer: &QpInner, needed: Access) -> bool {
-        lock(&peer.data).access.contains(needed)
-    }
-
     /// An RDMA WRITE: the rkey is checked for every chunk, as a device checks every packet,
     /// so a window invalidated mid-transfer stops it.
     fn write(
@@ -748,15 +745,15 @@ impl Exec<'_> {
         if total > MAX_MESSAGE {
             return Step::Failed(WcStatus::LocalLengthError);
         }
-        let peer = match self.peer(qp) {
-            Ok(peer) => peer,
+        let (peer, allowed) = match self.peer(qp) {
+            Ok(found) => found,
             Err(step) => return step,
         };
         if !progress.started {
             if let Err(status) = check_gather(self.device, qp.pd.id, &wr.sges) {
                 return Step::Failed(status);
             }
-            if !Self::allows(&peer, Access::REMOTE_WRITE) {
+            if !allowed.contains(Access::REMOTE_WRITE) {
                 self.responder_error(&peer, None, WcStatus::RemoteInvalidRequestError);
                 return Step::Failed(WcStatus::RemoteInvalidRequestError);
             }
@@ -844,11 +841,11 @@ impl Exec<'_> {
         if total > MAX_MESSAGE {
             return Step::Failed(WcStatus::LocalLengthError);
         }
-        let peer = match self.peer(qp) {
-            Ok(peer) => peer,
+        let (peer, allowed) = match self.peer(qp) {
+            Ok(found) => found,
             Err(step) => return step,
         };
-        if !progress.started && !Self::allows(&peer, Access::REMOTE_READ) {
+        if !progress.started && !allowed.contains(Access::REMOTE_READ) {
             self.responder_error(&peer, None, WcStatus::RemoteInvalidRequestError);
             return Step::Failed(WcStatus::RemoteInvalidRequestError);
         }
@@ -920,11 +917,11 @@ impl Exec<'_> {
         rkey: u32,
         op: impl FnOnce(u64) -> u64,
     ) -> Step {
-        let peer = match self.peer(qp) {
-            Ok(peer) => peer,
+        let (peer, allowed) = match self.peer(qp) {
+            Ok(found) => found,
             Err(step) => return step,
         };
-        if !Self::allows(&peer, Access::REMOTE_ATOMIC) {
+        if !allowed.contains(Access::REMOTE_ATOMIC) {
             self.responder_error(&peer, None, WcStatus::RemoteInvalidRequestError);
             return Step::Failed(WcStatus::RemoteInvalidRequestError);
         }

@@ -1,7 +1,7 @@
 //! `rdmad-bench ring`: the proxied data path against the device itself.
 //!
 //! ```text
-//! rdmad-bench ring [--iterations N] [--wait spin|block|both] [--idle-qps N]
+//! rdmad-bench ring [--iterations N] [--wait spin|block|both] [--idle-qps N] [--idle-sessions N]
 //! ```
 //!
 //! One client and the daemon's worker on `loopback0`: 64 B RDMA WRITEs from one QP into a
@@ -22,7 +22,8 @@
 //!
 //! Then the session creates `--idle-qps` more QPs (default 1,000; 0 skips this) on the same
 //! worker (the daemon runs one), never used, and the batch-1 cells run again: what idle
-//! QPs cost an active one.
+//! QPs cost an active one. Last, `--idle-sessions` sessions (default 1,000; 0 skips this)
+//! are opened and left empty: the daemon's resident memory per idle session.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -38,7 +39,7 @@ use rdmad_client::queue_pair::{QueuePairRing, Wait};
 use rdmad_client::ring::{Opcode, RegionSge, Status, Submission};
 use rdmad_tests::bus::PrivateBus;
 use rdmad_tests::daemon::{Daemon, DaemonOptions};
-use zbus::zvariant::Value;
+use zbus::zvariant::{OwnedObjectPath, Value};
 
 use crate::{machine, percentile, us, Result};
 
@@ -52,12 +53,13 @@ const SPIN: Duration = Duration::from_millis(10);
 const TIMEOUT: Duration = Duration::from_secs(10);
 
 const USAGE: &str =
-    "usage: rdmad-bench ring [--iterations N] [--wait spin|block|both] [--idle-qps N]";
+    "usage: rdmad-bench ring [--iterations N] [--wait spin|block|both] [--idle-qps N] \
+     [--idle-sessions N]";
 
 /// One worker, so that the idle QPs share it with the measured one.
 const CONFIG: &str = "[daemon]\nlog_level = \"warn\"\nworkers = 1\n\n[[pool]]\n\
                       name = \"bench\"\ncapacity = \"1MiB\"\nsize_classes = [\"4KiB\"]\n\n\
-                      [quota.default]\nregistered_bytes = \"64KiB\"\nqps = 4096\n";
+                      [quota.default]\nregistered_bytes = \"64KiB\"\nqps = 4096\nsessions = 4096\n";
 const MAX_IDLE: u32 = 4000;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -70,6 +72,7 @@ struct Args {
     iterations: u32,
     modes: Vec<Mode>,
     idle_qps: u32,
+    idle_sessions: u32,
 }
 
 fn parse_args(mut it: impl Iterator<Item = String>) -> Result<Args> {
@@ -77,6 +80,7 @@ fn parse_args(mut it: impl Iterator<Item = String>) -> Result<Args> {
         iterations: 20_000,
         modes: vec![Mode::Spin, Mode::Block],
         idle_qps: 1000,
+        idle_sessions: 1000,
     };
     while let Some(arg) = it.next() {
         let mut value = |name: &str| {
@@ -109,6 +113,15 @@ fn parse_args(mut it: impl Iterator<Item = String>) -> Result<Args> {
                     return Err(format!("--idle-qps: at most {MAX_IDLE}\n{USAGE}").into());
                 }
                 args.idle_qps = n;
+            }
+            "--idle-sessions" => {
+                let n: u32 = value("--idle-sessions")?
+                    .parse()
+                    .map_err(|e| format!("--idle-sessions: {e}\n{USAGE}"))?;
+                if n > MAX_IDLE {
+                    return Err(format!("--idle-sessions: at most {MAX_IDLE}\n{USAGE}").into());
+                }
+                args.idle_sessions = n;
             }
             "-h" | "--help" => {
                 println!("{USAGE}");
@@ -397,6 +410,17 @@ impl Proxied {
         Ok(())
     }
 
+    /// Opens `n` sessions on the benchmark's connection and leaves them empty; they close
+    /// with it.
+    async fn open_idle_sessions(&self, n: u32) -> Result<Vec<OwnedObjectPath>> {
+        let manager = ManagerProxy::new(self.session.inner().connection()).await?;
+        let mut paths = Vec::with_capacity(n as usize);
+        for _ in 0..n {
+            paths.push(manager.open_session(Options::new()).await?);
+        }
+        Ok(paths)
+    }
+
     fn series(&mut self, batch: u32, n: u32, mode: Mode) -> Result<Cell> {
         let write = |wr_id| Submission {
             remote_addr: self.addr,
@@ -501,6 +525,16 @@ pub async fn run(args: impl Iterator<Item = String>) -> Result<()> {
         let after = Usage::of(pid)?;
         idle_cost = Some((before, quiet, after));
     }
+    let mut session_cost = None;
+    if args.idle_sessions > 0 {
+        let pid = daemon.child.id().ok_or("rdmad exited")?;
+        let before = Usage::of(pid)?;
+        let sessions = proxied.open_idle_sessions(args.idle_sessions).await?;
+        std::thread::sleep(Duration::from_secs(1));
+        let after = Usage::of(pid)?;
+        session_cost = Some((before, after));
+        drop(sessions);
+    }
     drop(proxied);
     drop(daemon);
 
@@ -567,6 +601,17 @@ pub async fn run(args: impl Iterator<Item = String>) -> Result<()> {
             quiet.rss_kib.saturating_sub(before.rss_kib),
             quiet.rss_kib.saturating_sub(before.rss_kib) as f64 / f64::from(args.idle_qps),
             quiet.shmem_kib.saturating_sub(before.shmem_kib),
+        );
+    }
+    if let Some((before, after)) = session_cost {
+        let grew = after.rss_kib.saturating_sub(before.rss_kib);
+        println!();
+        println!(
+            "Idle sessions: rdmad with {} more sessions (opened, nothing in them): its resident \
+             memory grew by {} KiB ({:.1} KiB per session).",
+            args.idle_sessions,
+            grew,
+            grew as f64 / f64::from(args.idle_sessions),
         );
     }
     Ok(())
