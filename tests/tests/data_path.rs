@@ -10,6 +10,7 @@ rdmad::on_both_providers!(async
     hostile_submissions_fail_alone / rxe_hostile_submissions_fail_alone,
     killed_session_with_exports_and_a_slow_worker_leaves_nothing
         / rxe_killed_session_with_exports_and_a_slow_worker_leaves_nothing,
+    small_sends_and_writes_go_inline / rxe_small_sends_and_writes_go_inline,
 );
 
 mod bodies {
@@ -76,6 +77,65 @@ mod bodies {
         b.ok("post 0 recv 1 0 64 3");
         let refused = b.ok("wait 0");
         assert_completion(&refused, 3, "RegionAccessDenied", "Recv");
+    }
+
+    /// A QP created with `max_inline` hands the device small SENDs and WRITEs with their
+    /// bytes (on rxe0 `IBV_SEND_INLINE`, which the device refuses unless the QP was made
+    /// for it): they land like any others, the first byte to the last; a larger one goes
+    /// by address; more than rdmad allows is refused when the QP is made, saying the range.
+    pub async fn small_sends_and_writes_go_inline(provider: &str) {
+        let _alone = rdmad_tests::ALONE.lock().await;
+        let (bus, _d) = start_on(provider, "").await;
+        let mut a = Client::start(&bus, Some(NOBODY));
+        let mut b = Client::start(&bus, Some(OTHER));
+        for c in [&mut a, &mut b] {
+            c.ok("open");
+            c.ok("alloc default 4096");
+        }
+        let dev = a.ok("devices")[0]["name"].as_str().unwrap().to_owned();
+        let refused = a.err(
+            &format!("qp {dev} 16 16 257"),
+            "org.rdmad1.Error.InvalidArgument",
+        );
+        assert!(
+            refused.contains("max_inline 257 is out of range: 0 to 256"),
+            "{refused}"
+        );
+        a.ok(&format!("qp {dev} 16 16 64"));
+        b.ok(&format!("qp {dev} 16 16 64"));
+        let ea = a.ok("endpoint 0");
+        let eb = b.ok("endpoint 0");
+        a.ok(&format!("connect 0 {eb}"));
+        b.ok(&format!("connect 0 {ea}"));
+
+        let inline = "0123456789abcdef".repeat(4);
+        let by_address = "by-address-".repeat(10);
+        b.ok("post 0 recv 0 0 64 1");
+        b.ok("post 0 recv 0 100 200 2");
+        a.ok(&format!("write 0 0 {inline}"));
+        a.ok(&format!("write 0 100 {by_address}"));
+        a.ok("post 0 send 0 0 64 10");
+        a.ok("post 0 send 0 100 110 11");
+        assert_completion(&a.ok("wait 0"), 10, "Success", "Send");
+        assert_completion(&a.ok("wait 0"), 11, "Success", "Send");
+        let got = b.ok("wait 0");
+        assert_completion(&got, 1, "Success", "Recv");
+        assert_eq!(got["byte_len"], 64);
+        assert_eq!(b.ok("read 0 0 64"), inline.as_str());
+        let got = b.ok("wait 0");
+        assert_completion(&got, 2, "Success", "Recv");
+        assert_eq!(got["byte_len"], 110);
+        assert_eq!(b.ok("read 0 100 110"), by_address.as_str());
+
+        let export = b.ok("export 0 0 w");
+        let (addr, rkey) = (export[0].as_u64().unwrap(), export[1].as_u64().unwrap());
+        a.ok("write 0 300 inline-write");
+        a.ok(&format!("post 0 write 0 300 12 12 {} {rkey}", addr + 500));
+        assert_completion(&a.ok("wait 0"), 12, "Success", "Write");
+        assert_eq!(b.ok("read 0 500 12"), "inline-write");
+        let counters = a.ok("qpinfo 0");
+        assert_eq!(counters["refused"], 0, "{counters}");
+        assert_eq!(counters["completed"], 3, "{counters}");
     }
 
     /// Malformed, foreign, out-of-bounds and flooding requests each fail with an error

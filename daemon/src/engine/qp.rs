@@ -43,6 +43,11 @@ pub struct Export {
     pub mr: Arc<dyn MemoryRegion>,
 }
 
+/// The largest `max_inline` a client may ask for: small sends are what inline data is for
+/// (the device copies them while the request is posted), and a device may take less (its
+/// refusal then fails `CreateQueuePair`).
+pub const MAX_INLINE: u32 = 256;
+
 /// What a client may ask of a new QP (`CreateQueuePair` options).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct QpOptions {
@@ -91,8 +96,11 @@ impl QpOptions {
                 self.max_sge
             ));
         }
-        if self.max_inline > 0 {
-            return invalid("inline data is not supported yet: use max_inline 0");
+        if self.max_inline > MAX_INLINE {
+            return invalid(&format!(
+                "max_inline {} is out of range: 0 to {MAX_INLINE}",
+                self.max_inline
+            ));
         }
         Ok(())
     }

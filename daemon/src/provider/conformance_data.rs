@@ -122,6 +122,7 @@ impl Side {
                 op,
                 sges: sges.into(),
                 signaled: true,
+                inline: false,
             }])
             .expect("post_send");
     }
@@ -558,6 +559,7 @@ fn a_span_under_an_iova_is_reached_through_its_pd_only(dev: &dyn Device) {
             lkey: reg.lkey(),
         }],
         signaled: true,
+        inline: false,
     }])
     .unwrap();
     assert_eq!(b.completion().status, WcStatus::Success);

@@ -410,6 +410,9 @@ pub struct SendWr {
     pub op: SendOp,
     pub sges: Sges,
     pub signaled: bool,
+    /// Hand the device the bytes with the request (`IBV_SEND_INLINE`) rather than their
+    /// address: for SENDs and WRITEs up to the QP's `max_inline_data`.
+    pub inline: bool,
 }
 
 #[derive(Debug, Clone)]

@@ -17,7 +17,7 @@
 //!   revoke N KEY | revoke-any KEY → null
 //!   close                         → null
 //!   session-info PATH | close-session PATH | alloc-in PATH POOL SIZE
-//!   qp DEVICE [SEND_DEPTH [RECV_DEPTH]] → [qp path, ring size, sq entries, cq entries]
+//!   qp DEVICE [SEND_DEPTH [RECV_DEPTH [MAX_INLINE]]] → [qp path, ring size, sq entries, cq entries]
 //!   endpoint N | qpinfo N | destroy N | connect N ENDPOINT-JSON   (N: index or qp path)
 //!   post Q OP REGION OFFSET LEN WRID [REMOTE_ADDR RKEY]   (OP: send recv write read fadd;
 //!                                 REGION: index of a held region, or #ID for any id)
@@ -373,6 +373,9 @@ async fn main() {
                     }
                     if !arg(2).is_empty() {
                         options.insert("recv_depth", ZValue::from(num(2) as u32));
+                    }
+                    if !arg(3).is_empty() {
+                        options.insert("max_inline", ZValue::from(num(3) as u32));
                     }
                     let (path, ring, doorbell, completion, info) =
                         s.create_queue_pair(arg(0), options).await?;

@@ -242,7 +242,10 @@ impl ServedQp {
                 Ok(checked) => {
                     self.next_wr += 1;
                     match checked.work {
-                        Work::Send(w) => sends.push(w),
+                        Work::Send(mut w) => {
+                            w.inline = validate::goes_inline(&w, self.record.options.max_inline);
+                            sends.push(w)
+                        }
                         Work::Recv(w) => recvs.push(w),
                     }
                     staged.push((
@@ -423,6 +426,7 @@ impl ServedQp {
             op,
             sges: Default::default(),
             signaled: true,
+            inline: false,
         };
         match self.record.qp.post_send(std::slice::from_ref(&wr)) {
             Ok(()) => {

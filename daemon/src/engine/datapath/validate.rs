@@ -168,9 +168,19 @@ pub fn check(
             op,
             sges,
             signaled: true,
+            inline: false,
         }),
         pins,
     })
+}
+
+/// Whether the device is handed `wr`'s bytes with the request: a SEND or WRITE of at most
+/// `max_inline` bytes (the QP's `max_inline` option; 0 turns this off) and at least one.
+pub fn goes_inline(wr: &SendWr, max_inline: u32) -> bool {
+    let len: u64 = wr.sges.iter().map(|sge| u64::from(sge.length)).sum();
+    matches!(wr.op, SendOp::Send { .. } | SendOp::Write { .. })
+        && len > 0
+        && len <= u64::from(max_inline)
 }
 
 #[cfg(test)]

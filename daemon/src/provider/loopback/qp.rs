@@ -114,6 +114,7 @@ pub(super) fn create(pd: &Arc<PdInner>, init: QpInit) -> Result<Arc<dyn QueuePai
         max_recv_wr: init.max_recv_wr as usize,
         max_send_sge: init.max_send_sge as usize,
         max_recv_sge: init.max_recv_sge as usize,
+        max_inline_data: u64::from(init.max_inline_data),
         data: Mutex::new(QpData {
             state: QpState::Reset,
             access: Access::NONE,
@@ -168,6 +169,10 @@ pub(super) struct QpInner {
     max_recv_wr: usize,
     max_send_sge: usize,
     max_recv_sge: usize,
+    /// The most bytes an inline request carries. The device has no DMA to save, so an
+    /// inline request is run like any other (its bytes read when it runs; rdmad's worker
+    /// keeps them in place until it completes); only the limit is checked, as rxe does.
+    max_inline_data: u64,
     data: Mutex<QpData>,
 }
 
@@ -1292,6 +1297,21 @@ impl LoopbackQp {
         )
     }
 
+    /// An inline request must be a SEND or WRITE within the QP's `max_inline_data` (rxe's
+    /// `validate_send_wr`: EINVAL otherwise).
+    fn check_inline(&self, wr: &SendWr) -> std::result::Result<(), &'static str> {
+        if !wr.inline {
+            return Ok(());
+        }
+        if !matches!(wr.op, SendOp::Send { .. } | SendOp::Write { .. }) {
+            return Err("only SENDs and WRITEs carry inline data");
+        }
+        if message_len(&wr.sges) > self.inner.max_inline_data {
+            return Err("more inline data than the QP's max_inline_data");
+        }
+        Ok(())
+    }
+
     /// What the verbs provider refuses when posting a bind (so both refuse alike): a
     /// window or region of another provider or device, or a type-1 window (type-1 windows
     /// are bound with `ibv_bind_mw`, which the trait does not offer).
@@ -1432,7 +1452,7 @@ impl QueuePair for LoopbackQp {
                 ))));
             }
             for wr in wrs {
-                if let Err(message) = self.check_bind(wr) {
+                if let Err(message) = self.check_bind(wr).and_then(|()| self.check_inline(wr)) {
                     refused = Some(self.invalid(format!(
                         "work request {:#x}: {message} ({posted} of {} posted)",
                         wr.wr_id,

@@ -67,6 +67,8 @@ struct Opts {
     retry_cnt: u8,
     /// Bytes of each end's registered memory.
     mem: usize,
+    /// Each QP's `max_inline_data`.
+    inline: u32,
 }
 
 impl Default for Opts {
@@ -80,6 +82,7 @@ impl Default for Opts {
             timeout: 14,
             retry_cnt: 7,
             mem: 8192,
+            inline: 0,
         }
     }
 }
@@ -98,7 +101,7 @@ impl End {
                 max_recv_wr: opts.depth,
                 max_send_sge: 4,
                 max_recv_sge: 4,
-                max_inline_data: 0,
+                max_inline_data: opts.inline,
             })
             .unwrap();
         End { qp, cq, mr, pd }
@@ -133,6 +136,7 @@ impl End {
             op,
             sges: sges.into(),
             signaled: true,
+            inline: false,
         }])?)
     }
 
@@ -297,6 +301,62 @@ fn qp_numbers_are_unique_24_bit() {
     assert_eq!(dev.object_counts(), ObjectCounts::default());
 }
 
+/// A SEND or WRITE marked inline within the QP's `max_inline_data` runs like any other;
+/// one beyond it, or a READ marked inline, is refused when posted (rxe: EINVAL) and
+/// nothing of it runs.
+#[test]
+fn inline_requests_are_held_to_the_qps_max_inline_data() {
+    let dev = LoopbackDevice::new("lo-inline");
+    let opts = Opts {
+        inline: 16,
+        mr_access: Access::LOCAL_WRITE | Access::REMOTE_WRITE | Access::REMOTE_READ,
+        ..Opts::default()
+    };
+    let (a, b) = pair(&dev, &opts);
+    a.mr.memory().write_at(0, b"sixteen bytes!!!+").unwrap();
+    let inline = |wr_id, op, sges: Vec<Sge>| {
+        a.qp.post_send(&[SendWr {
+            wr_id,
+            op,
+            sges: sges.into(),
+            signaled: true,
+            inline: true,
+        }])
+    };
+    b.recv(10, vec![b.sge(0, 64)]).unwrap();
+    inline(1, send(1), vec![a.sge(0, 16)]).unwrap();
+    assert_eq!((a.wait().wr_id, b.wait().byte_len), (1, 16));
+    assert_eq!(b.read(0, 16), b"sixteen bytes!!!");
+    let write = SendOp::Write {
+        remote_addr: b.mr.addr() + 100,
+        rkey: b.mr.rkey(),
+        imm: None,
+    };
+    inline(2, write.clone(), vec![a.sge(0, 8)]).unwrap();
+    assert_eq!(a.wait().status, WcStatus::Success);
+    assert_eq!(b.read(100, 8), b"sixteen ");
+    for (op, len) in [
+        (write, 17),
+        (
+            SendOp::Read {
+                remote_addr: b.mr.addr(),
+                rkey: b.mr.rkey(),
+            },
+            8,
+        ),
+    ] {
+        let refused = inline(3, op, vec![a.sge(0, len)]).unwrap_err();
+        assert_eq!(refused.posted, 0);
+        assert!(
+            matches!(refused.error, ProviderError::InvalidArgument { .. }),
+            "{refused:?}"
+        );
+    }
+    // Loopback runs what it takes while it is posted: nothing was taken.
+    assert!(a.polled().is_empty(), "a refused request never completes");
+    assert_eq!(b.read(100, 9), b"sixteen \0");
+}
+
 #[test]
 fn send_waits_for_a_receive_then_delivers_in_order() {
     let dev = LoopbackDevice::new("lo-rnr");
@@ -400,18 +460,21 @@ fn errors_flush_later_requests_in_order() {
             op: send(1),
             sges: smallvec::smallvec![bad],
             signaled: true,
+            inline: false,
         },
         SendWr {
             wr_id: 2,
             op: send(2),
             sges: smallvec::smallvec![],
             signaled: false,
+            inline: false,
         },
         SendWr {
             wr_id: 3,
             op: send(3),
             sges: smallvec::smallvec![],
             signaled: true,
+            inline: false,
         },
     ])
     .unwrap();
@@ -450,6 +513,7 @@ fn queue_depths_are_enforced() {
             op: send(i),
             sges: smallvec::smallvec![],
             signaled: true,
+            inline: false,
         })
         .collect();
     // Two fit: the error says so.
@@ -641,6 +705,7 @@ fn window_types_keys_and_bounds() {
         },
         sges: smallvec::smallvec![],
         signaled: true,
+        inline: false,
     };
     assert!(is_invalid(b.qp.post_send(&[bind1]).map_err(|e| e.error)));
     assert_eq!(
@@ -805,12 +870,14 @@ fn event_fd_wakes_only_when_armed() {
                     op: send(2),
                     sges: smallvec::smallvec![],
                     signaled: true,
+                    inline: false,
                 },
                 SendWr {
                     wr_id: 3,
                     op: send(3),
                     sges: smallvec::smallvec![],
                     signaled: true,
+                    inline: false,
                 },
             ])
             .unwrap();

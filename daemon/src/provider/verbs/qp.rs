@@ -181,6 +181,11 @@ impl VerbsQp {
         } else {
             0
         };
+        if wr.inline {
+            // The device copies the bytes during `ibv_post_send`, from the daemon's
+            // mapping of the region (the SGEs' addresses), instead of reading them later.
+            raw.send_flags |= ibv_send_flags::IBV_SEND_INLINE.0;
+        }
         let set_imm = |raw: &mut ibv_send_wr, imm: u32| {
             raw.imm_data_invalidated_rkey_union.imm_data = imm.to_be();
         };
@@ -662,6 +667,7 @@ mod tests {
             op,
             sges: sges.into(),
             signaled: true,
+            inline: false,
         }])
         .unwrap();
     }
@@ -951,6 +957,7 @@ mod tests {
                     },
                     sges: smallvec::smallvec![sge(&mr, 0, 8)],
                     signaled: false,
+                    inline: false,
                 })
                 .collect();
             match a.post_send(&wrs) {

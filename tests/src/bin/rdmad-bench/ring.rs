@@ -278,6 +278,7 @@ impl Floor {
                     lkey: self.src.lkey(),
                 }],
                 signaled: true,
+                inline: false,
             })
             .collect();
         let mut wcs: Vec<WorkCompletion> = Vec::with_capacity(DEPTH as usize);

@@ -89,6 +89,7 @@ impl Peer {
                     lkey: self.mr.lkey(),
                 }],
                 signaled: true,
+                inline: false,
             }])
             .unwrap();
         let deadline = std::time::Instant::now() + Duration::from_secs(10);
