@@ -11,6 +11,8 @@ rdmad::on_both_providers!(async
     killed_session_with_exports_and_a_slow_worker_leaves_nothing
         / rxe_killed_session_with_exports_and_a_slow_worker_leaves_nothing,
     small_sends_and_writes_go_inline / rxe_small_sends_and_writes_go_inline,
+    an_export_of_a_flushed_queue_pair_is_released_quietly
+        / rxe_an_export_of_a_flushed_queue_pair_is_released_quietly,
 );
 
 mod bodies {
@@ -136,6 +138,38 @@ mod bodies {
         let counters = a.ok("qpinfo 0");
         assert_eq!(counters["refused"], 0, "{counters}");
         assert_eq!(counters["completed"], 3, "{counters}");
+    }
+
+    /// A client that moved its QP to the error state (`Flush`) and then releases an export
+    /// through it: the device flushes the invalidation posted on that QP, which is
+    /// expected (deallocating the window is the invalidation), so the release succeeds,
+    /// the window is gone and nothing is logged as a failure.
+    pub async fn an_export_of_a_flushed_queue_pair_is_released_quietly(provider: &str) {
+        let _alone = rdmad_tests::ALONE.lock().await;
+        let (bus, d) = start_on(provider, "").await;
+        let (mut a, mut b) = connected_pair(&bus);
+        let baseline = object_counts(&bus).await;
+        let export = a.ok("export 0 0 w");
+        let (addr, rkey, id) = (
+            export[0].as_u64().unwrap(),
+            export[1].as_u64().unwrap(),
+            export[3].as_u64().unwrap(),
+        );
+        b.ok("write 0 0 before-flush");
+        b.ok(&format!("post 0 write 0 0 12 1 {addr} {rkey}"));
+        assert_completion(&b.ok("wait 0"), 1, "Success", "Write");
+        assert_eq!(object_counts(&bus).await["mws"], baseline["mws"] + 1);
+        a.ok("flush 0");
+        a.ok(&format!("unexport 0 {id}"));
+        assert_eq!(object_counts(&bus).await["mws"], baseline["mws"]);
+        // Everything logged before a later session's opening is in stderr once it is.
+        let mut later = Client::start(&bus, Some(NOBODY));
+        later.ok("open");
+        let log = d.wait_for_log("session opened", 3).await;
+        assert!(
+            !log.contains("WARN") && !log.contains("ERROR"),
+            "the release of a flushed QP's export is no failure:\n{log}"
+        );
     }
 
     /// Malformed, foreign, out-of-bounds and flooding requests each fail with an error

@@ -332,7 +332,18 @@ impl Engine {
             if let Err(e) = worker.run(qp_id, crate::provider::SendOp::LocalInvalidate { rkey }) {
                 // Dropping the window below invalidates it as well. A QP destroyed since it
                 // was looked up (its session closed, `Destroy`) is no surprise.
-                if self.registry.own_qp(owner, qp_id).is_ok() {
+                // Nor is one its client moved to the error state (`Flush`): the device
+                // flushes what is posted there, and deallocating the window is the
+                // invalidation.
+                let flushed = matches!(
+                    e,
+                    super::datapath::worker::WorkerError::Completion(
+                        crate::provider::WcStatus::WrFlushError
+                    )
+                );
+                if flushed {
+                    tracing::debug!(region = %region, export = %export, "the queue pair is in the error state: {e}");
+                } else if self.registry.own_qp(owner, qp_id).is_ok() {
                     tracing::warn!(region = %region, export = %export, "invalidation failed: {e}");
                 } else {
                     tracing::debug!(region = %region, export = %export, "the queue pair went away first: {e}");

@@ -18,7 +18,7 @@
 //!   close                         → null
 //!   session-info PATH | close-session PATH | alloc-in PATH POOL SIZE
 //!   qp DEVICE [SEND_DEPTH [RECV_DEPTH [MAX_INLINE]]] → [qp path, ring size, sq entries, cq entries]
-//!   endpoint N | qpinfo N | destroy N | connect N ENDPOINT-JSON   (N: index or qp path)
+//!   endpoint N | qpinfo N | destroy N | flush N | connect N ENDPOINT-JSON   (N: index or qp path)
 //!   post Q OP REGION OFFSET LEN WRID [REMOTE_ADDR RKEY]   (OP: send recv write read fadd;
 //!                                 REGION: index of a held region, or #ID for any id)
 //!   post-garbage Q WRID | bad-tail Q | wait Q → completion JSON (60 s at most)
@@ -398,7 +398,7 @@ async fn main() {
                         info.cq_entries
                     ]))
                 }
-                "endpoint" | "qpinfo" | "destroy" | "connect" => {
+                "endpoint" | "qpinfo" | "destroy" | "flush" | "connect" => {
                     // N is an index into this client's QPs, or a path.
                     let path = if arg(0).starts_with('/') {
                         arg(0).to_owned()
@@ -410,6 +410,7 @@ async fn main() {
                         "endpoint" => Ok(serde_json::to_value(q.endpoint().await?).unwrap()),
                         "qpinfo" => Ok(serde_json::to_value(q.get_info().await?).unwrap()),
                         "destroy" => q.destroy().await.map(|()| Value::Null),
+                        "flush" => q.flush().await.map(|()| Value::Null),
                         _ => {
                             let remote: Endpoint = serde_json::from_str(&args[1..].join(" "))
                                 .map_err(|e| {
