@@ -676,29 +676,17 @@ impl Exec<'_> {
         };
         let n = (total - progress.done).min(*budget);
         if n > 0 {
-            let moved = locate(
-                self.device,
-                qp.pd.id,
-                &wr.sges,
-                progress.done,
-                n,
-                Access::NONE,
-            )
-            .map_err(Unlocated::gather_status)
-            .and_then(|source| {
-                let target = locate(
+            let done = progress.done;
+            let moved = self.gather_into(qp, wr, done, n, || {
+                locate(
                     self.device,
                     peer.pd.id,
                     &recv.sges,
-                    progress.done,
+                    done,
                     n,
                     Access::LOCAL_WRITE,
-                );
-                match target {
-                    Ok(target) => transfer(&source, &target),
-                    Err(_) => Err(Side::Target),
-                }
-                .map_err(|side| side.status(WcStatus::LocalProtectionError))
+                )
+                .ok()
             });
             if let Err(Some(status)) = moved {
                 // The message never arrives: its receive stays the responder's.
@@ -733,6 +721,24 @@ impl Exec<'_> {
             self.error(&peer);
         }
         Step::Done(byte_len)
+    }
+
+    /// Moves `[done, done + n)` of the message `wr` gathers into the pieces `target`
+    /// locates (called once the source is found): `Err(Some(status))` when the gather list
+    /// cannot supply the bytes (the requester's own error), `Err(None)` when the target
+    /// cannot take them (each caller knows what the responder then sees).
+    fn gather_into(
+        &self,
+        qp: &QpInner,
+        wr: &SendWr,
+        done: u64,
+        n: u64,
+        target: impl FnOnce() -> Option<Pieces>,
+    ) -> std::result::Result<(), Option<WcStatus>> {
+        let source = locate(self.device, qp.pd.id, &wr.sges, done, n, Access::NONE)
+            .map_err(Unlocated::gather_status)?;
+        let target = target().ok_or(None)?;
+        transfer(&source, &target).map_err(|side| side.status(WcStatus::LocalProtectionError))
     }
 
     /// An RDMA WRITE: the rkey is checked for every chunk, as a device checks every packet,
@@ -772,29 +778,10 @@ impl Exec<'_> {
         }
         let n = (total - progress.done).min(*budget);
         if n > 0 {
-            let moved = locate(
-                self.device,
-                qp.pd.id,
-                &wr.sges,
-                progress.done,
-                n,
-                Access::NONE,
-            )
-            .map_err(Unlocated::gather_status)
-            .and_then(|source| {
-                let target = resolve_remote(
-                    self.device,
-                    &peer,
-                    remote.rkey,
-                    remote.addr.wrapping_add(progress.done),
-                    n,
-                    Access::REMOTE_WRITE,
-                );
-                match target {
-                    Some(target) => transfer(&source, &[target]),
-                    None => Err(Side::Target),
-                }
-                .map_err(|side| side.status(WcStatus::LocalProtectionError))
+            let moved = self.gather_into(qp, wr, progress.done, n, || {
+                let at = remote.addr.wrapping_add(progress.done);
+                resolve_remote(self.device, &peer, remote.rkey, at, n, Access::REMOTE_WRITE)
+                    .map(|piece| smallvec::smallvec![piece])
             });
             match moved {
                 Ok(()) => {}
