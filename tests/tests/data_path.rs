@@ -26,6 +26,11 @@ mod bodies {
     /// Two processes of different users, each with a session, a region and a QP,
     /// connected to each other.
     fn connected_pair(bus: &PrivateBus) -> (Client, Client) {
+        connected_pair_with(bus, "")
+    }
+
+    /// As [`connected_pair`], each QP made with `max_inline` (none: "").
+    fn connected_pair_with(bus: &PrivateBus, max_inline: &str) -> (Client, Client) {
         let mut a = Client::start(bus, Some(NOBODY));
         let mut b = Client::start(bus, Some(OTHER));
         for c in [&mut a, &mut b] {
@@ -33,8 +38,8 @@ mod bodies {
             c.ok("alloc default 4096");
         }
         let dev = a.ok("devices")[0]["name"].as_str().unwrap().to_owned();
-        a.ok(&format!("qp {dev} 16 16"));
-        b.ok(&format!("qp {dev} 16 16"));
+        a.ok(&format!("qp {dev} 16 16 {max_inline}"));
+        b.ok(&format!("qp {dev} 16 16 {max_inline}"));
         let ea = a.ok("endpoint 0");
         let eb = b.ok("endpoint 0");
         a.ok(&format!("connect 0 {eb}"));
@@ -88,12 +93,7 @@ mod bodies {
     pub async fn small_sends_and_writes_go_inline(provider: &str) {
         let _alone = rdmad_tests::ALONE.lock().await;
         let (bus, _d) = start_on(provider, "").await;
-        let mut a = Client::start(&bus, Some(NOBODY));
-        let mut b = Client::start(&bus, Some(OTHER));
-        for c in [&mut a, &mut b] {
-            c.ok("open");
-            c.ok("alloc default 4096");
-        }
+        let (mut a, mut b) = connected_pair_with(&bus, "64");
         let dev = a.ok("devices")[0]["name"].as_str().unwrap().to_owned();
         let refused = a.err(
             &format!("qp {dev} 16 16 257"),
@@ -103,12 +103,6 @@ mod bodies {
             refused.contains("max_inline 257 is out of range: 0 to 256"),
             "{refused}"
         );
-        a.ok(&format!("qp {dev} 16 16 64"));
-        b.ok(&format!("qp {dev} 16 16 64"));
-        let ea = a.ok("endpoint 0");
-        let eb = b.ok("endpoint 0");
-        a.ok(&format!("connect 0 {eb}"));
-        b.ok(&format!("connect 0 {ea}"));
 
         let inline = "0123456789abcdef".repeat(4);
         let by_address = "by-address-".repeat(10);
