@@ -53,8 +53,7 @@ pub struct DaemonConfig {
     #[serde(default = "default_spin_us")]
     pub worker_spin_us: u32,
     /// Data-path worker threads; queue pairs are spread over them (each new one goes to
-    /// the worker serving the fewest). 0, the default: one per two CPUs rdmad may run on
-    /// (at least one), see [`DaemonConfig::worker_count`].
+    /// the worker serving the fewest). 0, the default: one per CPU rdmad may run on.
     #[serde(default)]
     pub workers: u32,
 }
@@ -67,25 +66,13 @@ fn default_spin_us() -> u32 {
 pub const MAX_WORKERS: u32 = 256;
 
 impl DaemonConfig {
-    /// How many data-path workers to run: `workers`, or by default one per two CPUs rdmad
-    /// may run on, at least one. A worker spins while its QPs move, and so do the clients
-    /// that drive them in busy-poll mode and, on a software device, the kernel threads that
-    /// move the packets: one spinning worker per CPU leaves them no CPU of their own (on
-    /// rxe0 in a 2-vCPU guest, two workers made 64 B round trips several times slower
-    /// than one: docs/benchmarks.md).
+    /// How many data-path workers to run: `workers`, or one per CPU rdmad may run on.
     pub fn worker_count(&self) -> usize {
         match self.workers {
-            0 => default_workers(
-                std::thread::available_parallelism().map_or(1, std::num::NonZeroUsize::get),
-            ),
+            0 => std::thread::available_parallelism().map_or(1, std::num::NonZeroUsize::get),
             n => n as usize,
         }
     }
-}
-
-/// The default number of workers on a machine with `cpus` CPUs.
-fn default_workers(cpus: usize) -> usize {
-    (cpus / 2).max(1)
 }
 
 impl Default for DaemonConfig {
@@ -358,7 +345,7 @@ impl Config {
             return Err((
                 "daemon.workers".into(),
                 format!(
-                    "{} data-path workers is more than {MAX_WORKERS}; use 0 (one per two CPUs) or \
+                    "{} data-path workers is more than {MAX_WORKERS}; use 0 (one per CPU) or \
                      at most {MAX_WORKERS}",
                     self.daemon.workers
                 ),
@@ -594,18 +581,6 @@ mod tests {
         );
     }
 
-    /// By default a worker for every two CPUs, at least one; a number given is taken as is.
-    #[test]
-    fn workers_default_to_one_per_two_cpus() {
-        let by_cpus: Vec<usize> = [1, 2, 3, 4, 64].map(default_workers).to_vec();
-        assert_eq!(by_cpus, [1, 1, 1, 2, 32]);
-        let given = DaemonConfig {
-            workers: 3,
-            ..DaemonConfig::default()
-        };
-        assert_eq!(given.worker_count(), 3);
-    }
-
     #[test]
     fn empty_file_means_defaults() {
         assert_eq!(parse("").unwrap(), Config::default());
@@ -703,7 +678,7 @@ mod tests {
             ("[[device]]\nname = \"a\"\n[[pool]]\nname = \"p\"\ndevice = \"b\"\ncapacity = 4096\nsize_classes = [4096]\n", 5, "pool[0].device", "not one of the [[device]]"),
             ("[quota.default]\nregions = -1\n", 2, "quota.default.regions", "invalid value"),
             ("[daemon]\nworker_spin_us = 5000000\n", 2, "daemon.worker_spin_us", "busy polling"),
-            ("[daemon]\nworkers = 1000\n", 2, "daemon.workers", "one per two CPUs"),
+            ("[daemon]\nworkers = 1000\n", 2, "daemon.workers", "one per CPU"),
             ("[quota.default]\nregions = 100000000000\n", 2, "quota.default.regions", "absurd"),
             ("[quota.default]\nregion = 10\n", 2, "quota.default.region", "unknown field"),
             ("[quota.user.nobody]\nexports = 100000000000\n", 2, "quota.user.nobody.exports", "absurd"),
