@@ -43,6 +43,37 @@ fn c_program_at(path: &str) -> (tempfile::TempDir, PathBuf) {
     (dir, binary)
 }
 
+/// Kills process `pid` (SIGKILL) if it still runs `limit` after this is made and before it
+/// is dropped: a program that hangs then fails its test with what it printed, instead of
+/// holding the test (and the VM tier) until an outer time-out that shows nothing.
+struct Watchdog(Option<std::sync::mpsc::Sender<()>>);
+
+impl Watchdog {
+    fn new(pid: u32, limit: std::time::Duration) -> Watchdog {
+        let (done, finished) = std::sync::mpsc::channel::<()>();
+        std::thread::spawn(move || {
+            if let Err(std::sync::mpsc::RecvTimeoutError::Timeout) = finished.recv_timeout(limit) {
+                eprintln!("watchdog: process {pid} still runs after {limit:?}: killing it");
+                let _ = nix::sys::signal::kill(
+                    nix::unistd::Pid::from_raw(pid as i32),
+                    nix::sys::signal::Signal::SIGKILL,
+                );
+            }
+        });
+        Watchdog(Some(done))
+    }
+}
+
+impl Drop for Watchdog {
+    fn drop(&mut self) {
+        // The process is waited for by now: its pid must not be killed once reused.
+        if let Some(done) = self.0.take() {
+            // The thread is gone only once it has killed: nothing to tell it then.
+            let _ = done.send(());
+        }
+    }
+}
+
 fn stdout(out: &std::process::Output, what: &str) -> String {
     assert!(
         out.status.success(),
@@ -445,25 +476,27 @@ mod bodies {
                 .stderr(std::process::Stdio::piped())
                 .spawn()
                 .expect("start the victim");
+        let victim_watchdog = Watchdog::new(victim.id(), 2 * rdmad_tests::TIMEOUT);
         let mut victim_out = std::io::BufReader::new(victim.stdout.take().unwrap());
         let mut line = String::new();
         std::io::BufRead::read_line(&mut victim_out, &mut line).expect("the victim's rkey");
         let fields: Vec<&str> = line.split_whitespace().collect();
         assert!(fields.len() == 3 && fields[0] == "victim", "{line:?}");
 
-        let out = rdmactl(
-            &bus,
-            Some(NOBODY),
-            &[
-                "exec",
-                "--",
-                hostile.to_str().unwrap(),
-                &device,
-                &gid,
-                fields[1],
-                fields[2],
-            ],
-        );
+        let attacker = rdmad_tests::daemon::as_user(Some(NOBODY), &rdmad_tests::binary("rdmactl"))
+            .args(["exec", "--", hostile.to_str().unwrap(), &device, &gid])
+            .args([fields[1], fields[2]])
+            .env("RDMAD_BUS_ADDRESS", &bus.address)
+            .stdin(std::process::Stdio::null())
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .expect("start the hostile program");
+        let attacker_watchdog = Watchdog::new(attacker.id(), rdmad_tests::TIMEOUT);
+        let out = attacker
+            .wait_with_output()
+            .expect("the hostile program's output");
+        drop(attacker_watchdog);
         let printed = stdout(&out, "hostile");
         assert!(!printed.contains("FAIL"), "{printed}");
         assert_eq!(
@@ -480,6 +513,7 @@ mod bodies {
         let mut rest = String::new();
         std::io::Read::read_to_string(&mut victim_out, &mut rest).unwrap();
         assert!(victim.wait().unwrap().success(), "{rest}");
+        drop(victim_watchdog);
         assert_eq!(rest, "ok the victim's memory is as it was\n");
         let scribbled: u64 = printed
             .lines()
