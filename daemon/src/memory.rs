@@ -164,22 +164,23 @@ impl SharedMemory {
         dst_offset: usize,
         len: usize,
     ) -> Result<(), CopyError> {
-        let source = |e| CopyError::Source(e);
-        let target = |e| CopyError::Target(e);
-        self.check_range(offset, len).map_err(source)?;
-        dst.check_range(dst_offset, len).map_err(target)?;
+        self.check_range(offset, len).map_err(CopyError::Source)?;
+        dst.check_range(dst_offset, len)
+            .map_err(CopyError::Target)?;
         if !self.hugepages && !dst.hugepages {
             return self
                 .map
                 .copy_to(offset, &dst.map, dst_offset, len)
-                .map_err(target);
+                .map_err(CopyError::Target);
         }
         let mut buf = vec![0u8; len.min(HUGEPAGE_BOUNCE)];
         let mut done = 0;
         while done < len {
             let n = (len - done).min(buf.len());
-            self.read_at(offset + done, &mut buf[..n]).map_err(source)?;
-            dst.write_at(dst_offset + done, &buf[..n]).map_err(target)?;
+            self.read_at(offset + done, &mut buf[..n])
+                .map_err(CopyError::Source)?;
+            dst.write_at(dst_offset + done, &buf[..n])
+                .map_err(CopyError::Target)?;
             done += n;
         }
         Ok(())

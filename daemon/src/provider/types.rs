@@ -415,6 +415,13 @@ pub struct SendWr {
     pub inline: bool,
 }
 
+impl SendWr {
+    /// The length of the message its SGEs gather.
+    pub fn message_len(&self) -> u64 {
+        self.sges.iter().map(|sge| u64::from(sge.length)).sum()
+    }
+}
+
 #[derive(Debug, Clone)]
 pub struct RecvWr {
     pub wr_id: u64,

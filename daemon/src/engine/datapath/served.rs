@@ -5,11 +5,10 @@
 //! own requests (window binds and invalidations) go through the same send queue.
 
 use std::collections::VecDeque;
-
-use rustc_hash::FxHashMap as HashMap;
 use std::sync::Arc;
 
 use rdmad_client::ring::{self, header, Completion, Opcode, Status, Submission, SQE_SIZE};
+use rustc_hash::FxHashMap as HashMap;
 
 use super::validate::{self, RegionRights, Work};
 use super::worker::{Reply, WorkerError};

@@ -177,7 +177,7 @@ pub fn check(
 /// Whether the device is handed `wr`'s bytes with the request: a SEND or WRITE of at most
 /// `max_inline` bytes (the QP's `max_inline` option; 0 turns this off) and at least one.
 pub fn goes_inline(wr: &SendWr, max_inline: u32) -> bool {
-    let len: u64 = wr.sges.iter().map(|sge| u64::from(sge.length)).sum();
+    let len = wr.message_len();
     matches!(wr.op, SendOp::Send { .. } | SendOp::Write { .. })
         && len > 0
         && len <= u64::from(max_inline)

@@ -34,13 +34,13 @@ mod qp;
 mod tests;
 
 use std::collections::HashSet;
+use std::net::Ipv6Addr;
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, Weak};
 
 // The device's tables are keyed by numbers the device hands out (keys, QP numbers), so a
 // fast hash no client can steer into collisions is enough.
 use rustc_hash::FxHashMap;
-use std::net::Ipv6Addr;
-use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, Weak};
 
 use super::counters::{Counters, Tracked};
 use super::{

@@ -625,7 +625,7 @@ impl Exec<'_> {
         progress: &mut Progress,
         budget: &mut u64,
     ) -> Step {
-        let total = message_len(&wr.sges);
+        let total = wr.message_len();
         if total > MAX_MESSAGE {
             return Step::Failed(WcStatus::LocalLengthError);
         }
@@ -752,7 +752,7 @@ impl Exec<'_> {
         progress: &mut Progress,
         budget: &mut u64,
     ) -> Step {
-        let total = message_len(&wr.sges);
+        let total = wr.message_len();
         if total > MAX_MESSAGE {
             return Step::Failed(WcStatus::LocalLengthError);
         }
@@ -829,7 +829,7 @@ impl Exec<'_> {
         progress: &mut Progress,
         budget: &mut u64,
     ) -> Step {
-        let total = message_len(&wr.sges);
+        let total = wr.message_len();
         if total > MAX_MESSAGE {
             return Step::Failed(WcStatus::LocalLengthError);
         }
@@ -1089,11 +1089,6 @@ impl Remote {
     }
 }
 
-/// The length of the message a list of SGEs gathers or scatters.
-fn message_len(sges: &[Sge]) -> u64 {
-    sges.iter().map(|s| u64::from(s.length)).sum()
-}
-
 /// Checks that every SGE of a gather list lies inside a registration of `pd` (reading
 /// local memory needs no access right).
 fn check_gather(device: &Shared, pd: u64, sges: &[Sge]) -> std::result::Result<(), WcStatus> {
@@ -1293,7 +1288,7 @@ impl LoopbackQp {
         if !matches!(wr.op, SendOp::Send { .. } | SendOp::Write { .. }) {
             return Err("only SENDs and WRITEs carry inline data");
         }
-        if message_len(&wr.sges) > self.inner.max_inline_data {
+        if wr.message_len() > self.inner.max_inline_data {
             return Err("more inline data than the QP's max_inline_data");
         }
         Ok(())
