@@ -232,6 +232,24 @@ pub fn rdmactl_ok(bus: &PrivateBus, uid: Option<u32>, args: &[&str]) -> String {
     String::from_utf8(out.stdout).expect("utf-8 output")
 }
 
+/// The device rdmad on `bus` serves first and the index of its IPv4-mapped GID (what
+/// `ibv_rc_pingpong -g` and perftest's `-x` take).
+pub fn device_and_gid(bus: &PrivateBus) -> (String, String) {
+    let devices: serde_json::Value =
+        serde_json::from_str(&rdmactl_ok(bus, Some(crate::NOBODY), &["-j", "dev"])).unwrap();
+    let device = &devices[0];
+    let gid = device["gids"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|g| g["gid"].as_str().unwrap().starts_with("::ffff:"))
+        .unwrap_or_else(|| panic!("no IPv4-mapped GID on {device}"));
+    (
+        device["ifname"].as_str().unwrap().to_owned(),
+        gid["index"].to_string(),
+    )
+}
+
 /// A private bus and a daemon on it serving `provider` (`"loopback"` or `"verbs"`) with
 /// configuration `config`, ready.
 pub async fn start_on(provider: &str, config: &str) -> (PrivateBus, Daemon) {

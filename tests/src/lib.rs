@@ -7,6 +7,7 @@ pub mod bus;
 pub mod client;
 pub mod daemon;
 pub mod notify;
+pub mod peer;
 pub mod rng;
 
 use std::path::PathBuf;
@@ -78,4 +79,31 @@ pub fn short_error_name(name: &str) -> String {
         .map(|s| format!("fdo.{s}"))
         .or_else(|| name.strip_prefix("org.rdmad1.Error.").map(str::to_owned))
         .unwrap_or_else(|| name.to_owned())
+}
+
+/// Whether a TCP socket (IPv4 or IPv6) of this host listens on `port` (`/proc/net/tcp*`).
+pub fn listens_on(port: u16) -> bool {
+    let needle = format!(":{port:04X}");
+    ["/proc/net/tcp", "/proc/net/tcp6"].iter().any(|f| {
+        std::fs::read_to_string(f).is_ok_and(|t| {
+            t.lines().any(|l| {
+                let fields: Vec<&str> = l.split_whitespace().collect();
+                fields.len() > 3 && fields[1].ends_with(&needle) && fields[3] == "0A"
+            })
+        })
+    })
+}
+
+/// Waits until something listens on TCP `port` (a program's server side, started by the
+/// test); fails the test after [`TIMEOUT`].
+pub async fn wait_for_listener(port: u16) {
+    let deadline = std::time::Instant::now() + TIMEOUT;
+    while !listens_on(port) {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "nothing listened on port {port} within {TIMEOUT:?}"
+        );
+        // Polling a condition the server makes true; it has no other signal.
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
 }

@@ -4,7 +4,9 @@
 use std::os::unix::fs::PermissionsExt;
 use std::path::PathBuf;
 
-use rdmad_tests::daemon::{object_counts, rdmactl, rdmactl_ok, start_on, wait_for_sessions};
+use rdmad_tests::daemon::{
+    device_and_gid, object_counts, rdmactl, rdmactl_ok, start_on, wait_for_sessions,
+};
 use rdmad_tests::NOBODY;
 use serde_json::Value;
 
@@ -72,6 +74,29 @@ impl Drop for Watchdog {
             let _ = done.send(());
         }
     }
+}
+
+/// The standard outputs of a client and its server, once both succeeded; if either failed,
+/// the failure shows what both printed (a server that failed first leaves its client only a
+/// refused or broken connection to report).
+fn both_stdouts(
+    client: &std::process::Output,
+    server: &std::process::Output,
+    what: &str,
+) -> (String, String) {
+    let text = |b: &[u8]| String::from_utf8_lossy(b).into_owned();
+    assert!(
+        client.status.success() && server.status.success(),
+        "{what}: client {}, server {}\nclient stdout:\n{}\nclient stderr:\n{}\n\
+         server stdout:\n{}\nserver stderr:\n{}",
+        client.status,
+        server.status,
+        text(&client.stdout),
+        text(&client.stderr),
+        text(&server.stdout),
+        text(&server.stderr)
+    );
+    (text(&client.stdout), text(&server.stdout))
 }
 
 fn stdout(out: &std::process::Output, what: &str) -> String {
@@ -151,24 +176,6 @@ mod bodies {
         let opened = log.lines().find(|l| l.contains("session opened")).unwrap();
         assert!(opened.contains(&format!("uid={NOBODY}")), "{opened}");
         wait_for_sessions(&bus, 0).await;
-    }
-
-    /// The device rdmad serves first and the index of its IPv4-mapped GID (what
-    /// `ibv_rc_pingpong -g` takes).
-    async fn device_and_gid(bus: &rdmad_tests::bus::PrivateBus) -> (String, String) {
-        let devices: Value =
-            serde_json::from_str(&rdmactl_ok(bus, Some(NOBODY), &["-j", "dev"])).unwrap();
-        let device = &devices[0];
-        let gid = device["gids"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .find(|g| g["gid"].as_str().unwrap().starts_with("::ffff:"))
-            .unwrap_or_else(|| panic!("no IPv4-mapped GID on {device}"));
-        (
-            device["ifname"].as_str().unwrap().to_owned(),
-            gid["index"].to_string(),
-        )
     }
 
     /// An unmodified `ibv_rc_pingpong` on both ends — the server as one user, the client as
@@ -258,7 +265,7 @@ mod bodies {
         tool: &str,
         args: &[&str],
     ) {
-        let (device, gid) = device_and_gid(bus).await;
+        let (device, gid) = device_and_gid(bus);
         let port = free_port().to_string();
         let mut common = vec![tool, "-d", &device, "-x", &gid, "-p", &port, "-F"];
         common.extend(args);
@@ -289,14 +296,14 @@ mod bodies {
         let server = command(sides[0], NOBODY, false)
             .spawn()
             .expect("start the perftest server");
-        wait_for_listener(port.parse().unwrap()).await;
+        rdmad_tests::wait_for_listener(port.parse().unwrap()).await;
         let client = command(sides[1], DAEMON_USER, true)
             .output()
             .expect("run the perftest client");
         let server = server.wait_with_output().expect("server output");
         let (size, iters) = (args[1], args[3]);
-        for (out, who) in [(&client, "client"), (&server, "server")] {
-            let printed = stdout(out, &format!("{tool} {who} ({:?})", sides));
+        let (client, server) = both_stdouts(&client, &server, &format!("{tool} ({sides:?})"));
+        for (printed, who) in [(client, "client"), (server, "server")] {
             let result = printed.lines().find(|l| {
                 let f: Vec<&str> = l.split_whitespace().collect();
                 f.len() >= 4 && f[0] == size && f[1] == iters
@@ -316,7 +323,7 @@ mod bodies {
         let _alone = rdmad_tests::ALONE.lock().await;
         let (bus, _daemon) = start_on(provider, "").await;
         let before = object_counts(&bus).await;
-        let (device, gid) = device_and_gid(&bus).await;
+        let (device, gid) = device_and_gid(&bus);
         let (_dir, example) = c_program_at("verbs/examples/rdma-write.c");
         let example = example.to_str().unwrap();
         for (size, iters, events) in [
@@ -340,12 +347,15 @@ mod bodies {
                     .stderr(std::process::Stdio::piped())
                     .spawn()
                     .expect("start the example's server");
-            wait_for_listener(port.parse().unwrap()).await;
+            rdmad_tests::wait_for_listener(port.parse().unwrap()).await;
             args.push("127.0.0.1");
             let client = rdmactl(&bus, Some(DAEMON_USER), &args);
             let server = server.wait_with_output().expect("server output");
-            let client = stdout(&client, "rdma-write client");
-            let server = stdout(&server, "rdma-write server");
+            let (client, server) = both_stdouts(
+                &client,
+                &server,
+                &format!("rdma-write of {size} bytes (events: {events})"),
+            );
             assert_eq!(
                 server,
                 format!(
@@ -382,7 +392,7 @@ mod bodies {
         let _alone = rdmad_tests::ALONE.lock().await;
         let (bus, _daemon) = start_on(provider, "").await;
         let before = object_counts(&bus).await;
-        let (device, gid) = device_and_gid(&bus).await;
+        let (device, gid) = device_and_gid(&bus);
         for (name, checks) in [("qp_error", 7), ("events", 12), ("inline", 2)] {
             let (_dir, program) = c_program(name);
             let program = program.to_str().unwrap();
@@ -421,7 +431,7 @@ mod bodies {
         let (bus, daemon) = start_on(provider, "").await;
         let before = object_counts(&bus).await;
         let kernel_before = rdmad_tests::kernel_verbs_objects(provider);
-        let (device, gid) = device_and_gid(&bus).await;
+        let (device, gid) = device_and_gid(&bus);
         let (_dir, hostile) = c_program("hostile");
 
         let port = free_port().to_string();
@@ -438,7 +448,7 @@ mod bodies {
             command.spawn().expect("start rdmactl exec")
         };
         let mut server = neighbour(None);
-        wait_for_listener(port.parse().unwrap()).await;
+        rdmad_tests::wait_for_listener(port.parse().unwrap()).await;
         let mut client = neighbour(Some("127.0.0.1"));
         let neighbour_progress = || async {
             let qps: Value =
@@ -580,7 +590,7 @@ mod bodies {
         let _alone = rdmad_tests::ALONE.lock().await;
         let (bus, _daemon) = start_on(provider, "").await;
         let before = object_counts(&bus).await;
-        let (device, gid) = device_and_gid(&bus).await;
+        let (device, gid) = device_and_gid(&bus);
         let port = free_port().to_string();
         let args = [
             "exec",
@@ -607,7 +617,7 @@ mod bodies {
             command.spawn().expect("start rdmactl exec")
         };
         let mut server = spawn(NOBODY, None);
-        wait_for_listener(port.parse().unwrap()).await;
+        rdmad_tests::wait_for_listener(port.parse().unwrap()).await;
         let mut client = spawn(DAEMON_USER, Some("127.0.0.1"));
         // Until both QPs move messages.
         let deadline = std::time::Instant::now() + rdmad_tests::TIMEOUT;
@@ -653,7 +663,7 @@ mod bodies {
         let _alone = rdmad_tests::ALONE.lock().await;
         let (bus, _daemon) = start_on(provider, "").await;
         let before = object_counts(&bus).await;
-        let (device, gid) = device_and_gid(&bus).await;
+        let (device, gid) = device_and_gid(&bus);
         let port = free_port();
         let port = port.to_string();
         let mut args = vec![
@@ -689,14 +699,14 @@ mod bodies {
                 .spawn()
                 .expect("start rdmactl exec")
         };
-        wait_for_listener(port.parse().unwrap()).await;
+        rdmad_tests::wait_for_listener(port.parse().unwrap()).await;
         let mut exec = vec!["exec", "--"];
         exec.extend(&args);
         exec.push("127.0.0.1");
         let client = rdmactl(&bus, Some(DAEMON_USER), &exec);
         let server = server.wait_with_output().expect("server output");
-        for (out, who) in [(&client, "client"), (&server, "server")] {
-            let printed = stdout(out, who);
+        let (client, server) = both_stdouts(&client, &server, "ibv_rc_pingpong");
+        for (printed, who) in [(client, "client"), (server, "server")] {
             assert!(printed.contains("50 iters in"), "{who}:\n{printed}");
         }
         wait_for_sessions(&bus, 0).await;
@@ -714,33 +724,6 @@ mod bodies {
             .unwrap()
             .port()
     }
-
-    /// Waits until something listens on TCP `port` (IPv4 or IPv6), from /proc/net/tcp*.
-    async fn wait_for_listener(port: u16) {
-        let needle = format!(":{port:04X} ");
-        let deadline = std::time::Instant::now() + rdmad_tests::TIMEOUT;
-        loop {
-            let listening = ["/proc/net/tcp", "/proc/net/tcp6"].iter().any(|f| {
-                std::fs::read_to_string(f).is_ok_and(|t| {
-                    t.lines().any(|l| {
-                        let fields: Vec<&str> = l.split_whitespace().collect();
-                        fields.len() > 3 && fields[1].ends_with(needle.trim()) && fields[3] == "0A"
-                    })
-                })
-            });
-            if listening {
-                return;
-            }
-            assert!(
-                std::time::Instant::now() < deadline,
-                "nothing listened on port {port} within {:?}",
-                rdmad_tests::TIMEOUT
-            );
-            // Polling a condition the server makes true; it has no other signal.
-            tokio::time::sleep(std::time::Duration::from_millis(10)).await;
-        }
-    }
-
     /// `fe80::1` as ibv_devinfo prints a GID: eight groups of four hex digits.
     fn gid_hex(gid: &str) -> String {
         let address: std::net::Ipv6Addr = gid.parse().expect("GID in IPv6 notation");
@@ -781,9 +764,11 @@ async fn rxe_perftest_against_a_native_peer() {
 
 /// `ibv_reg_mr` of the program's own memory — heap (unaligned, with a neighbour on the same
 /// page), stack, page-aligned — keeps its contents through registration and
-/// deregistration and stays the program's memory; bad buffers and flags get libibverbs's
-/// errors; a registration past the user's `registered_bytes` is NULL with `ENOMEM` and the
-/// daemon's reason; everything is gone when the program exits.
+/// deregistration and stays the program's memory; another thread writing on the same page
+/// while it is registered and deregistered 200 times loses none of its writes (they wait
+/// for each move); bad buffers and flags get libibverbs's errors; a registration past the
+/// user's `registered_bytes` is NULL with `ENOMEM` and the daemon's reason; everything is
+/// gone when the program exits.
 #[tokio::test(flavor = "multi_thread")]
 async fn ibv_reg_mr_registers_the_programs_own_memory_within_its_quota() {
     let _alone = rdmad_tests::ALONE.lock().await;

@@ -2,9 +2,13 @@
  * checks what a verbs program relies on: the buffer keeps its contents, stays the
  * program's memory (writes before and after land), and dereg leaves it intact.
  * Prints one line per check ("ok ..." or "FAIL ..."), then "quota ..." for a registration
- * past the user's limit, if asked: reg_mr [BYTES_PAST_QUOTA]. Exit 0 if every check held. */
+ * past the user's limit, if asked: reg_mr [BYTES_PAST_QUOTA]. Exit 0 if every check held.
+ * Also: another thread writing next to a buffer (same page) while it is registered and
+ * deregistered over and over loses none of its writes. */
 #include <errno.h>
 #include <infiniband/verbs.h>
+#include <pthread.h>
+#include <stdatomic.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -60,6 +64,57 @@ static void round_trip(struct ibv_pd *pd, unsigned char *buf, size_t n, const ch
 	check(same(buf, n, 13), line);
 }
 
+/* A thread that counts in memory next to a buffer being registered: every increment
+ * reads what the previous one wrote, so a write lost in a registration shows as a count
+ * in memory behind the thread's own. */
+struct neighbour_writer {
+	volatile uint64_t *counter;
+	atomic_int stop;
+	uint64_t written;
+};
+
+static void *write_next_door(void *arg)
+{
+	struct neighbour_writer *w = arg;
+	while (!atomic_load(&w->stop)) {
+		*w->counter = *w->counter + 1;
+		w->written++;
+	}
+	return NULL;
+}
+
+static void busy_neighbour(struct ibv_pd *pd)
+{
+	unsigned char *page;
+	if (posix_memalign((void **)&page, 4096, 4096)) {
+		printf("FAIL posix_memalign\n");
+		exit(1);
+	}
+	memset(page, 0, 4096);
+	struct neighbour_writer w = { .counter = (volatile uint64_t *)page };
+	pthread_t thread;
+	if (pthread_create(&thread, NULL, write_next_door, &w)) {
+		printf("FAIL pthread_create\n");
+		exit(1);
+	}
+	int registered = 0;
+	for (int i = 0; i < 200; i++) {
+		struct ibv_mr *mr = ibv_reg_mr(pd, page + 64, 4096 - 64, IBV_ACCESS_LOCAL_WRITE);
+		if (!mr)
+			break;
+		registered += ibv_dereg_mr(mr) == 0;
+	}
+	atomic_store(&w.stop, 1);
+	pthread_join(thread, NULL);
+	check(registered == 200, "threads: 200 registrations next to a busy thread");
+	char line[160];
+	snprintf(line, sizeof line,
+		 "threads: a thread writing on the same page loses nothing (%llu of %llu)",
+		 (unsigned long long)*w.counter, (unsigned long long)w.written);
+	check(*w.counter == w.written, line);
+	free(page);
+}
+
 int main(int argc, char **argv)
 {
 	struct ibv_device **list = ibv_get_device_list(NULL);
@@ -98,6 +153,8 @@ int main(int argc, char **argv)
 	check(a && ibv_dereg_mr(a) == 0, "the first is deregistered");
 	check(same(heap, 10000, 5), "the second still holds the contents");
 	check(b && ibv_dereg_mr(b) == 0, "the second is deregistered");
+
+	busy_neighbour(pd);
 
 	check(ibv_reg_mr(pd, NULL, 10, IBV_ACCESS_LOCAL_WRITE) == NULL && errno == EINVAL,
 	      "a NULL buffer is refused with EINVAL");

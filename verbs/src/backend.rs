@@ -91,6 +91,27 @@ impl Backend {
     }
 
     /// Runs a bus call to completion on the calling thread.
+    /// Runs `f` while the library's bus thread is parked in a task of its own: it makes no
+    /// system call meanwhile. Moving pages under the program (`abi::remap`) needs this: the
+    /// bus thread's buffers (its socket reads, its `epoll_wait` events) may live in the very
+    /// heap pages being moved, and a kernel write into pages made read-only for the move
+    /// would fail rather than wait.
+    pub fn with_bus_thread_parked<R>(&self, f: impl FnOnce() -> R) -> R {
+        let (parked, is_parked) = std::sync::mpsc::sync_channel::<()>(1);
+        let (resume, resumed) = std::sync::mpsc::sync_channel::<()>(1);
+        self.runtime.spawn(async move {
+            let _ = parked.send(());
+            // Blocks the runtime's one worker thread until `resume` is dropped.
+            let _ = resumed.recv();
+        });
+        // Err only if the task was dropped unrun (the runtime is shutting down): nothing
+        // runs there then either.
+        let _ = is_parked.recv();
+        let result = f();
+        drop(resume);
+        result
+    }
+
     pub fn block_on<F: std::future::Future>(&self, future: F) -> F::Output {
         self.runtime.block_on(future)
     }

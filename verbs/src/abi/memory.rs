@@ -13,6 +13,7 @@ use std::sync::Mutex;
 use zbus::zvariant::OwnedObjectPath;
 
 use super::registry::{self, lock, Context, Mr};
+use super::remap;
 use super::{set_errno, sys};
 use crate::backend;
 use crate::maps;
@@ -88,145 +89,6 @@ fn read_maps() -> Result<Vec<maps::Mapping>, String> {
         .map_err(|e| format!("cannot read /proc/self/maps: {e}"))
 }
 
-/// Copies the range's contents into `temp` (a fresh mapping of `len` bytes) and moves
-/// `temp` over the range, with nothing in between that could write to the range: the copy
-/// (`process_vm_readv`, which fails rather than faults on unreadable memory) and the move
-/// (`mremap`) are two system calls issued back to back from registers, so even a range on
-/// the calling thread's own stack — whose frames keep changing in ordinary code — holds at
-/// the move exactly what it held at the copy. Then restores the protection `prot`.
-///
-/// # Safety
-/// `temp` must be a mapping of `len` bytes this library made and nobody else uses; the
-/// range `[start, start+len)` must be the program's own private memory (checked against
-/// `/proc/self/maps` by the caller).
-unsafe fn copy_and_move(
-    temp: *mut c_void,
-    start: usize,
-    len: usize,
-    prot: c_int,
-) -> std::io::Result<()> {
-    let local = libc::iovec {
-        iov_base: temp,
-        iov_len: len,
-    };
-    let remote = libc::iovec {
-        iov_base: start as *mut c_void,
-        iov_len: len,
-    };
-    let (ret, moved) = raw_copy_and_move(&local, &remote, temp, start, len);
-    if !moved {
-        // SAFETY: the move did not happen: `temp` is still ours to unmap.
-        unsafe { libc::munmap(temp, len) };
-        return Err(if ret < 0 {
-            std::io::Error::from_raw_os_error(-ret as i32)
-        } else {
-            std::io::Error::from_raw_os_error(libc::EFAULT)
-        });
-    }
-    if ret < 0 {
-        // SAFETY: as above: the move failed.
-        unsafe { libc::munmap(temp, len) };
-        return Err(std::io::Error::from_raw_os_error(-ret as i32));
-    }
-    if prot != libc::PROT_READ | libc::PROT_WRITE {
-        // SAFETY: the range is now the mapping just moved there.
-        unsafe { libc::mprotect(start as *mut c_void, len, prot) };
-    }
-    Ok(())
-}
-
-/// The two system calls of [`copy_and_move`]: returns the last call's result (−errno on
-/// failure) and whether the move was attempted (only after a complete copy).
-#[cfg(target_arch = "x86_64")]
-fn raw_copy_and_move(
-    local: &libc::iovec,
-    remote: &libc::iovec,
-    temp: *mut c_void,
-    start: usize,
-    len: usize,
-) -> (isize, bool) {
-    // SAFETY: getpid has no preconditions.
-    let pid = unsafe { libc::getpid() } as usize;
-    let ret: isize;
-    let moved: usize;
-    // SAFETY: process_vm_readv(pid, local, 1, remote, 1, 0) reads this process's memory
-    // into `temp` through the kernel (the iovecs live in this frame, only read); if it
-    // copied all `len` bytes, mremap(temp, len, len, MREMAP_MAYMOVE | MREMAP_FIXED, start)
-    // moves the caller's fresh mapping over the range the caller checked. Neither touches
-    // the user stack; `syscall` clobbers rcx and r11.
-    unsafe {
-        std::arch::asm!(
-            "syscall",
-            "cmp rax, r13",
-            "jne 2f",
-            "mov eax, {mremap}",
-            "mov rdi, r12",
-            "mov rsi, r13",
-            "mov rdx, r13",
-            "mov r10d, {flags}",
-            "mov r8, r14",
-            "syscall",
-            "mov r15d, 1",
-            "2:",
-            mremap = const libc::SYS_mremap,
-            flags = const libc::MREMAP_MAYMOVE | libc::MREMAP_FIXED,
-            inout("rax") libc::SYS_process_vm_readv as isize => ret,
-            inout("rdi") pid => _,
-            inout("rsi") local as *const libc::iovec => _,
-            inout("rdx") 1usize => _,
-            inout("r10") remote as *const libc::iovec => _,
-            inout("r8") 1usize => _,
-            in("r9") 0usize,
-            in("r12") temp,
-            in("r13") len,
-            in("r14") start,
-            inout("r15") 0usize => moved,
-            out("rcx") _,
-            out("r11") _,
-            options(nostack),
-        );
-    }
-    (ret, moved == 1)
-}
-
-/// Elsewhere the two calls are made from Rust: a range on the calling thread's own stack
-/// may then lose the writes of the frames in between.
-#[cfg(not(target_arch = "x86_64"))]
-fn raw_copy_and_move(
-    local: &libc::iovec,
-    remote: &libc::iovec,
-    temp: *mut c_void,
-    start: usize,
-    len: usize,
-) -> (isize, bool) {
-    // SAFETY: as in the x86_64 version, from Rust.
-    unsafe {
-        let n = libc::process_vm_readv(libc::getpid(), local, 1, remote, 1, 0);
-        if n != len as isize {
-            return (
-                if n < 0 {
-                    -(*libc::__errno_location()) as isize
-                } else {
-                    n
-                },
-                false,
-            );
-        }
-        let r = libc::mremap(
-            temp,
-            len,
-            len,
-            libc::MREMAP_MAYMOVE | libc::MREMAP_FIXED,
-            start as *mut c_void,
-        );
-        if r == libc::MAP_FAILED {
-            (-(*libc::__errno_location()) as isize, true)
-        } else {
-            (0, true)
-        }
-    }
-}
-
 /// Re-backs `[start, start+len)` with the region's memfd, contents kept.
 fn reback(start: usize, len: usize, prot: c_int, fd: &OwnedFd) -> std::io::Result<()> {
     // SAFETY: a new shared mapping of the region's memfd, `len` bytes (the region is at
@@ -245,7 +107,7 @@ fn reback(start: usize, len: usize, prot: c_int, fd: &OwnedFd) -> std::io::Resul
         return Err(std::io::Error::last_os_error());
     }
     // SAFETY: `temp` is ours; the caller checked the range is the program's, private.
-    unsafe { copy_and_move(temp, start, len, prot) }?;
+    unsafe { remap::copy_and_move(temp, start, len, prot) }?;
     // As with ibv_fork_init: a child does not inherit registered pages (it would share
     // them, being a shared mapping, rather than get a copy).
     // SAFETY: advice on the range just mapped.
@@ -270,7 +132,7 @@ fn restore(start: usize, len: usize, prot: c_int) -> std::io::Result<()> {
         return Err(std::io::Error::last_os_error());
     }
     // SAFETY: `temp` is ours; the caller checked the range is still our backing.
-    unsafe { copy_and_move(temp, start, len, prot) }
+    unsafe { remap::copy_and_move(temp, start, len, prot) }
 }
 
 fn fail(errno: i32, message: &str) -> *mut sys::ibv_mr {

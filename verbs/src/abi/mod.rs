@@ -34,6 +34,7 @@ mod events;
 mod memory;
 mod queues;
 mod registry;
+mod remap;
 mod unsupported;
 
 /// Sets the calling thread's `errno`.

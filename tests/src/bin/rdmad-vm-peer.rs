@@ -1,0 +1,161 @@
+//! The peer guest's agent in a two-guest VM run (`tests/vm/run --peer`): listens on the
+//! guest's own wire address (`RDMAD_VM_SELF`, a link-local address that exists only on the
+//! wire between the two guests) and runs what the test in the other guest asks
+//! (`rdmad_tests::peer`). It runs until the VM run ends.
+
+use std::collections::HashMap;
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::{TcpListener, TcpStream};
+use std::process::{Child, Command, Stdio};
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use rdmad_tests::peer::{Reply, Request, PORT};
+
+/// A spawned program: the child, and the threads collecting its stdout and stderr.
+struct Running {
+    child: Child,
+    stdout: JoinHandle<String>,
+    stderr: JoinHandle<String>,
+}
+
+type Programs = Arc<Mutex<HashMap<u64, Running>>>;
+
+fn main() {
+    let Ok(address) = std::env::var("RDMAD_VM_SELF") else {
+        eprintln!("rdmad-vm-peer: RDMAD_VM_SELF is not set: run me as tests/vm/run --peer does");
+        std::process::exit(2);
+    };
+    let listener = match TcpListener::bind((address.as_str(), PORT)) {
+        Ok(l) => l,
+        Err(e) => {
+            eprintln!("rdmad-vm-peer: cannot listen on {address}:{PORT}: {e}");
+            std::process::exit(1);
+        }
+    };
+    eprintln!("rdmad-vm-peer: listening on {address}:{PORT}");
+    let programs: Programs = Arc::default();
+    let mut next = 0u64;
+    for stream in listener.incoming() {
+        let Ok(stream) = stream else { continue };
+        next += 1;
+        let (programs, id) = (programs.clone(), next);
+        std::thread::spawn(move || serve(stream, &programs, id));
+    }
+}
+
+fn serve(stream: TcpStream, programs: &Programs, id: u64) {
+    let mut line = String::new();
+    if BufReader::new(&stream).read_line(&mut line).is_err() {
+        return;
+    }
+    let reply = match serde_json::from_str::<Request>(&line) {
+        Ok(request) => answer(request, programs, id),
+        Err(e) => Reply::Failed(format!("not a request ({e}): {line:?}")),
+    };
+    let mut text = serde_json::to_string(&reply).expect("a reply serializes");
+    text.push('\n');
+    let _ = (&stream).write_all(text.as_bytes());
+}
+
+fn answer(request: Request, programs: &Programs, id: u64) -> Reply {
+    match request {
+        Request::Spawn { argv, uid, env } => {
+            let Some((program, args)) = argv.split_first() else {
+                return Reply::Failed("an empty command".into());
+            };
+            let mut command = match uid {
+                None => Command::new(program),
+                Some(uid) => {
+                    let mut c = Command::new("setpriv");
+                    c.arg(format!("--reuid={uid}"))
+                        .arg(format!("--regid={uid}"))
+                        .arg("--clear-groups")
+                        .arg(program);
+                    c
+                }
+            };
+            command
+                .args(args)
+                .envs(env)
+                .stdin(Stdio::null())
+                .stdout(Stdio::piped())
+                .stderr(Stdio::piped());
+            match command.spawn() {
+                Ok(mut child) => {
+                    let stdout = collect(child.stdout.take());
+                    let stderr = collect(child.stderr.take());
+                    eprintln!("rdmad-vm-peer: [{id}] started {argv:?} as {uid:?}");
+                    programs.lock().unwrap().insert(
+                        id,
+                        Running {
+                            child,
+                            stdout,
+                            stderr,
+                        },
+                    );
+                    Reply::Spawned { id }
+                }
+                Err(e) => Reply::Failed(format!("cannot start {argv:?}: {e}")),
+            }
+        }
+        Request::Wait { id } => {
+            let Some(mut running) = programs.lock().unwrap().remove(&id) else {
+                return Reply::Failed(format!("no program {id}"));
+            };
+            let status = match running.child.wait() {
+                Ok(s) => {
+                    use std::os::unix::process::ExitStatusExt;
+                    s.code().unwrap_or_else(|| 128 + s.signal().unwrap_or(0))
+                }
+                Err(e) => return Reply::Failed(format!("wait for program {id}: {e}")),
+            };
+            eprintln!("rdmad-vm-peer: [{id}] ended with status {status}");
+            Reply::Output {
+                status,
+                stdout: running.stdout.join().unwrap_or_default(),
+                stderr: running.stderr.join().unwrap_or_default(),
+            }
+        }
+        Request::Signal { id, signal } => {
+            let programs = programs.lock().unwrap();
+            let Some(running) = programs.get(&id) else {
+                return Reply::Failed(format!("no program {id}"));
+            };
+            let pid = nix::unistd::Pid::from_raw(running.child.id() as i32);
+            match nix::sys::signal::Signal::try_from(signal)
+                .map_err(|e| e.to_string())
+                .and_then(|s| nix::sys::signal::kill(pid, s).map_err(|e| e.to_string()))
+            {
+                Ok(()) => Reply::Done,
+                Err(e) => Reply::Failed(format!("signal {signal} to program {id}: {e}")),
+            }
+        }
+        Request::Listening { port, timeout_ms } => {
+            let deadline = Instant::now() + Duration::from_millis(timeout_ms);
+            loop {
+                if rdmad_tests::listens_on(port) {
+                    return Reply::Done;
+                }
+                if Instant::now() >= deadline {
+                    return Reply::Failed(format!("nothing listened on port {port}"));
+                }
+                // Polling the kernel's socket table: a listener gives no other sign.
+                std::thread::sleep(Duration::from_millis(10));
+            }
+        }
+    }
+}
+
+fn collect(pipe: Option<impl Read + Send + 'static>) -> JoinHandle<String> {
+    std::thread::spawn(move || {
+        let mut text = String::new();
+        if let Some(mut pipe) = pipe {
+            let mut bytes = Vec::new();
+            let _ = pipe.read_to_end(&mut bytes);
+            text = String::from_utf8_lossy(&bytes).into_owned();
+        }
+        text
+    })
+}

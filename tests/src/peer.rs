@@ -1,0 +1,194 @@
+//! The other host of a two-host test: the peer guest of `tests/vm/run --peer`, joined to
+//! the test's guest by a wire that exists only between the two (see tests/vm/README.md).
+//! The peer runs `rdmad-vm-peer` on its wire address; a test asks it to run programs there
+//! — natively on its `rxe0`, or through an rdmad of its own — and gets their output.
+//!
+//! One request per TCP connection: a JSON line each way.
+
+use std::io::{BufRead, BufReader, Write};
+use std::net::{SocketAddr, TcpStream};
+use std::time::{Duration, Instant};
+
+use serde::{Deserialize, Serialize};
+
+/// The port `rdmad-vm-peer` listens on, on the peer's wire address.
+pub const PORT: u16 = 18400;
+
+/// What a test asks of the peer.
+#[derive(Debug, Serialize, Deserialize)]
+pub enum Request {
+    /// Start `argv` as `uid` (root if none) with `env` added, output collected: its id.
+    Spawn {
+        argv: Vec<String>,
+        uid: Option<u32>,
+        env: Vec<(String, String)>,
+    },
+    /// Wait for a spawned program to end: its output.
+    Wait { id: u64 },
+    /// Send `signal` to a spawned program.
+    Signal { id: u64, signal: i32 },
+    /// Wait until something on the peer listens on TCP `port` (or `timeout_ms` passes).
+    Listening { port: u16, timeout_ms: u64 },
+}
+
+/// The peer's answer.
+#[derive(Debug, Serialize, Deserialize)]
+pub enum Reply {
+    Spawned {
+        id: u64,
+    },
+    Output {
+        /// The exit code, or 128 + the signal that killed it.
+        status: i32,
+        stdout: String,
+        stderr: String,
+    },
+    Done,
+    Failed(String),
+}
+
+/// What a program the peer ran printed, and how it ended.
+#[derive(Debug, Clone)]
+pub struct Output {
+    pub status: i32,
+    pub stdout: String,
+    pub stderr: String,
+}
+
+impl Output {
+    pub fn success(&self) -> bool {
+        self.status == 0
+    }
+}
+
+/// The peer guest, as the test's guest reaches it.
+#[derive(Debug, Clone)]
+pub struct Peer {
+    /// The peer's IPv4 address on the wire.
+    pub address: String,
+    /// The peer's IPv6 address on the wire.
+    pub address6: String,
+    /// This guest's IPv4 address on the wire.
+    pub own_address: String,
+    agent: SocketAddr,
+}
+
+impl Peer {
+    /// The peer `tests/vm/run --peer` booted (`RDMAD_VM_PEER`, …), or `None` outside a
+    /// two-guest run.
+    pub fn from_env() -> Option<Peer> {
+        let address = std::env::var("RDMAD_VM_PEER").ok()?;
+        let address6 = std::env::var("RDMAD_VM_PEER6").ok()?;
+        let own_address = std::env::var("RDMAD_VM_SELF").ok()?;
+        let agent = format!("{address}:{PORT}").parse().ok()?;
+        Some(Peer {
+            address,
+            address6,
+            own_address,
+            agent,
+        })
+    }
+
+    fn ask(&self, request: &Request) -> Reply {
+        // The peer boots alongside this guest: its agent may not listen yet.
+        let deadline = Instant::now() + crate::TIMEOUT * 3;
+        let stream = loop {
+            match TcpStream::connect_timeout(&self.agent, Duration::from_secs(5)) {
+                Ok(s) => break s,
+                Err(e) => {
+                    assert!(
+                        Instant::now() < deadline,
+                        "the peer's agent at {} did not answer: {e}",
+                        self.agent
+                    );
+                    // A connection refused until the peer's agent starts: retry.
+                    std::thread::sleep(Duration::from_millis(200));
+                }
+            }
+        };
+        let mut line = serde_json::to_string(request).expect("a request serializes");
+        line.push('\n');
+        (&stream)
+            .write_all(line.as_bytes())
+            .expect("send to the peer");
+        let mut answer = String::new();
+        BufReader::new(&stream)
+            .read_line(&mut answer)
+            .expect("read the peer's answer");
+        serde_json::from_str(&answer)
+            .unwrap_or_else(|e| panic!("the peer's answer {answer:?} is not a reply: {e}"))
+    }
+
+    /// Starts `argv` on the peer as `uid` (root if `None`) with `env` added.
+    pub fn spawn(&self, uid: Option<u32>, argv: &[&str], env: &[(&str, &str)]) -> PeerProgram {
+        let request = Request::Spawn {
+            argv: argv.iter().map(|s| s.to_string()).collect(),
+            uid,
+            env: env
+                .iter()
+                .map(|(k, v)| (k.to_string(), v.to_string()))
+                .collect(),
+        };
+        match self.ask(&request) {
+            Reply::Spawned { id } => PeerProgram {
+                peer: self.clone(),
+                id,
+                what: argv.join(" "),
+            },
+            other => panic!("the peer did not start {argv:?}: {other:?}"),
+        }
+    }
+
+    /// Runs `argv` on the peer to its end.
+    pub fn run(&self, uid: Option<u32>, argv: &[&str], env: &[(&str, &str)]) -> Output {
+        self.spawn(uid, argv, env).wait()
+    }
+
+    /// Waits until a program on the peer listens on TCP `port`.
+    pub fn wait_for_listener(&self, port: u16) {
+        match self.ask(&Request::Listening {
+            port,
+            timeout_ms: crate::TIMEOUT.as_millis() as u64,
+        }) {
+            Reply::Done => {}
+            other => panic!("nothing listened on the peer's port {port}: {other:?}"),
+        }
+    }
+}
+
+/// A program running on the peer.
+#[derive(Debug)]
+pub struct PeerProgram {
+    peer: Peer,
+    id: u64,
+    what: String,
+}
+
+impl PeerProgram {
+    /// Waits for it to end: what it printed.
+    pub fn wait(self) -> Output {
+        match self.peer.ask(&Request::Wait { id: self.id }) {
+            Reply::Output {
+                status,
+                stdout,
+                stderr,
+            } => Output {
+                status,
+                stdout,
+                stderr,
+            },
+            other => panic!("the peer lost {}: {other:?}", self.what),
+        }
+    }
+
+    /// Sends it `signal`.
+    pub fn signal(&self, signal: i32) {
+        match self.peer.ask(&Request::Signal {
+            id: self.id,
+            signal,
+        }) {
+            Reply::Done => {}
+            other => panic!("the peer did not signal {}: {other:?}", self.what),
+        }
+    }
+}

@@ -1,0 +1,222 @@
+//! Two hosts: the VM tier's two guests, each its own kernel with its own `rxe0`, joined by
+//! a wire that exists only between them (`tests/vm/run --peer`; scripts/test-vm runs this
+//! binary that way). The test runs in one guest; the other, the peer, runs what the test
+//! asks through its agent (`rdmad_tests::peer`). RDMA traffic crosses the wire as RoCE v2
+//! between two kernels.
+//!
+//! Every test is named `rxe_*`: none can run on the host, which has neither a kernel RDMA
+//! device nor a peer.
+
+use rdmad_tests::daemon::{device_and_gid, object_counts, rdmactl, start_on, wait_for_sessions};
+use rdmad_tests::peer::{Output, Peer};
+use rdmad_tests::NOBODY;
+
+/// The peer of this run; a test run any other way fails here, saying how to run it.
+fn peer() -> Peer {
+    Peer::from_env().expect(
+        "no peer guest (RDMAD_VM_PEER is not set): two-host tests run in the VM tier's \
+         two-guest mode, CARGO_TARGET_X86_64_UNKNOWN_LINUX_GNU_RUNNER=tests/vm/pair-runner",
+    )
+}
+
+/// The index of `rxe0`'s GID for IPv4 address `address` (`::ffff:a.b.c.d`), from the
+/// GID table a shell on that host printed (`index gid` lines, as sysfs spells GIDs).
+fn gid_index(table: &str, address: &str) -> String {
+    let v4: std::net::Ipv4Addr = address.parse().expect("an IPv4 address");
+    let mapped = v4
+        .to_ipv6_mapped()
+        .segments()
+        .iter()
+        .map(|s| format!("{s:04x}"))
+        .collect::<Vec<_>>()
+        .join(":");
+    table
+        .lines()
+        .find_map(|l| {
+            let (index, gid) = l.split_once(' ')?;
+            (gid.trim() == mapped).then(|| index.to_owned())
+        })
+        .unwrap_or_else(|| panic!("no GID {mapped} for {address} in:\n{table}"))
+}
+
+/// The shell command printing rxe0's GID table as `index gid` lines.
+const GID_TABLE: &str = "for f in /sys/class/infiniband/rxe0/ports/1/gids/*; do \
+                         echo \"${f##*/} $(cat $f)\"; done";
+
+/// This host's and the peer's rxe0 GID index for their wire address.
+fn wire_gids(peer: &Peer) -> (String, String) {
+    let local = std::process::Command::new("sh")
+        .args(["-c", GID_TABLE])
+        .output()
+        .expect("read the local GID table");
+    let local = String::from_utf8_lossy(&local.stdout).into_owned();
+    let remote = peer.run(None, &["sh", "-c", GID_TABLE], &[]);
+    assert!(remote.success(), "the peer's GID table: {remote:?}");
+    (
+        gid_index(&local, &peer.own_address),
+        gid_index(&remote.stdout, &peer.address),
+    )
+}
+
+fn assert_ran(out: &Output, what: &str) {
+    assert!(
+        out.success(),
+        "{what} on the peer failed (status {}):\nstdout:\n{}\nstderr:\n{}",
+        out.status,
+        out.stdout,
+        out.stderr
+    );
+}
+
+fn assert_local(out: &std::process::Output, what: &str) -> String {
+    assert!(
+        out.status.success(),
+        "{what} here failed ({}):\nstdout:\n{}\nstderr:\n{}",
+        out.status,
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+/// The wire itself: `ibv_rc_pingpong` on the two kernels' own devices, no rdmad, both
+/// ways round — RC traffic crosses the wire and the users' programs work across it.
+#[tokio::test(flavor = "multi_thread")]
+async fn rxe_native_programs_talk_across_the_wire() {
+    let _alone = rdmad_tests::ALONE.lock().await;
+    let peer = peer();
+    let (here, there) = wire_gids(&peer);
+    for (round, port) in [("peer serves", "18515"), ("this host serves", "18516")] {
+        let common = ["-d", "rxe0", "-p", port, "-n", "50", "-c"];
+        let (local_out, remote_out) = if round == "peer serves" {
+            let server = peer.spawn(
+                None,
+                &[&["ibv_rc_pingpong", "-g", &there][..], &common].concat(),
+                &[],
+            );
+            peer.wait_for_listener(port.parse().unwrap());
+            let client = std::process::Command::new("ibv_rc_pingpong")
+                .args(["-g", &here])
+                .args(common)
+                .arg(&peer.address)
+                .output()
+                .expect("run ibv_rc_pingpong");
+            (client, server.wait())
+        } else {
+            let server = std::process::Command::new("ibv_rc_pingpong")
+                .args(["-g", &here])
+                .args(common)
+                .stdout(std::process::Stdio::piped())
+                .stderr(std::process::Stdio::piped())
+                .spawn()
+                .expect("start ibv_rc_pingpong");
+            rdmad_tests::wait_for_listener(port.parse().unwrap()).await;
+            let client = peer.run(
+                None,
+                &[
+                    &["ibv_rc_pingpong", "-g", &there][..],
+                    &common,
+                    &[&peer.own_address],
+                ]
+                .concat(),
+                &[],
+            );
+            (server.wait_with_output().expect("server output"), client)
+        };
+        assert_ran(&remote_out, &format!("ibv_rc_pingpong ({round})"));
+        let local = assert_local(&local_out, &format!("ibv_rc_pingpong ({round})"));
+        for (printed, side) in [(&local, "here"), (&remote_out.stdout, "peer")] {
+            assert!(
+                printed.contains("50 iters in"),
+                "{round}, {side} printed:\n{printed}"
+            );
+        }
+    }
+}
+
+/// An unmodified verbs program through this host's rdmad against the same program on the
+/// peer's own device (which never heard of rdmad), both ways round: `ibv_rc_pingpong` with
+/// its messages checked, then perftest's `ib_write_bw` (64 KiB, its bandwidth printed).
+/// Afterwards rdmad holds nothing of them.
+#[tokio::test(flavor = "multi_thread")]
+async fn rxe_a_program_through_rdmad_talks_to_a_native_peer() {
+    let _alone = rdmad_tests::ALONE.lock().await;
+    let peer = peer();
+    let (bus, _daemon) = start_on("verbs", "").await;
+    let before = object_counts(&bus).await;
+    let (device, here) = device_and_gid(&bus);
+    let (_, there) = wire_gids(&peer);
+    assert_eq!(device, "rxe0");
+    let programs: [(&str, &[&str], &str); 2] = [
+        ("ibv_rc_pingpong", &["-n", "50", "-c"], "50 iters in"),
+        ("ib_write_bw", &["-F", "-s", "65536", "-n", "200"], "65536"),
+    ];
+    let mut port = 18520u16;
+    for (program, args, result) in programs {
+        for rdmad_serves in [false, true] {
+            port += 1;
+            let port_text = port.to_string();
+            let gid_flag = if program == "ibv_rc_pingpong" {
+                "-g"
+            } else {
+                "-x"
+            };
+            let local: Vec<&str> = [
+                &[
+                    "exec", "--", program, "-d", "rxe0", gid_flag, &here, "-p", &port_text,
+                ][..],
+                args,
+            ]
+            .concat();
+            let remote: Vec<&str> = [
+                &[program, "-d", "rxe0", gid_flag, &there, "-p", &port_text][..],
+                args,
+            ]
+            .concat();
+            let (local_out, remote_out) = if rdmad_serves {
+                let server =
+                    rdmad_tests::daemon::as_user(Some(NOBODY), &rdmad_tests::binary("rdmactl"))
+                        .args(&local)
+                        .env("RDMAD_BUS_ADDRESS", &bus.address)
+                        .stdout(std::process::Stdio::piped())
+                        .stderr(std::process::Stdio::piped())
+                        .spawn()
+                        .expect("start rdmactl exec");
+                rdmad_tests::wait_for_listener(port).await;
+                let client = peer.run(None, &[&remote[..], &[&peer.own_address]].concat(), &[]);
+                (server.wait_with_output().expect("server output"), client)
+            } else {
+                let server = peer.spawn(None, &remote, &[]);
+                peer.wait_for_listener(port);
+                let client = rdmactl(&bus, Some(NOBODY), &[&local[..], &[&peer.address]].concat());
+                (client, server.wait())
+            };
+            let round = format!(
+                "{program}, {} serves",
+                if rdmad_serves {
+                    "rdmad's client"
+                } else {
+                    "the native peer"
+                }
+            );
+            assert_ran(&remote_out, &round);
+            let printed = assert_local(&local_out, &round);
+            for (text, side) in [(&printed, "through rdmad"), (&remote_out.stdout, "native")] {
+                assert!(text.contains(result), "{round}: {side} printed:\n{text}");
+            }
+            if program == "ib_write_bw" {
+                if let Some(line) = printed
+                    .lines()
+                    .find(|l| l.trim_start().starts_with("65536"))
+                {
+                    eprintln!("{round}: ib_write_bw through rdmad: {}", line.trim());
+                }
+            }
+        }
+    }
+    wait_for_sessions(&bus, 0).await;
+    let after = object_counts(&bus).await;
+    for kind in ["qps", "regions", "mrs", "pds", "sessions"] {
+        assert_eq!(after[kind], before[kind], "{kind}: {before:?} -> {after:?}");
+    }
+}
