@@ -29,6 +29,13 @@ pub enum Request {
     Signal { id: u64, signal: i32 },
     /// Wait until something on the peer listens on TCP `port` (or `timeout_ms` passes).
     Listening { port: u16, timeout_ms: u64 },
+    /// Start a private bus and an rdmad on it serving the peer's devices with `config`:
+    /// the bus's address.
+    StartRdmad { config: String },
+    /// Wait until the peer's rdmad on `bus` has `sessions` sessions: its object counts.
+    Settled { bus: String, sessions: u64 },
+    /// Stop the peer's rdmad on `bus` and its bus.
+    StopRdmad { bus: String },
 }
 
 /// The peer's answer.
@@ -43,6 +50,10 @@ pub enum Reply {
         stdout: String,
         stderr: String,
     },
+    Rdmad {
+        bus: String,
+    },
+    Counts(std::collections::HashMap<String, u64>),
     Done,
     Failed(String),
 }
@@ -152,6 +163,52 @@ impl Peer {
         }) {
             Reply::Done => {}
             other => panic!("nothing listened on the peer's port {port}: {other:?}"),
+        }
+    }
+}
+
+impl Peer {
+    /// Starts an rdmad of the peer's own, serving its `rxe0`, on a private bus there.
+    pub fn start_rdmad(&self, config: &str) -> PeerRdmad {
+        match self.ask(&Request::StartRdmad {
+            config: config.to_owned(),
+        }) {
+            Reply::Rdmad { bus } => PeerRdmad {
+                peer: self.clone(),
+                bus,
+            },
+            other => panic!("the peer did not start rdmad: {other:?}"),
+        }
+    }
+}
+
+/// An rdmad running on the peer, stopped when this is dropped.
+#[derive(Debug)]
+pub struct PeerRdmad {
+    peer: Peer,
+    /// Its bus's address, on the peer (`RDMAD_BUS_ADDRESS` for programs run there).
+    pub bus: String,
+}
+
+impl PeerRdmad {
+    /// Waits until it has `sessions` sessions: its `Manager.ObjectCounts` then.
+    pub fn settled(&self, sessions: u64) -> std::collections::HashMap<String, u64> {
+        match self.peer.ask(&Request::Settled {
+            bus: self.bus.clone(),
+            sessions,
+        }) {
+            Reply::Counts(counts) => counts,
+            other => panic!("the peer's rdmad did not settle: {other:?}"),
+        }
+    }
+}
+
+impl Drop for PeerRdmad {
+    fn drop(&mut self) {
+        if !std::thread::panicking() {
+            self.peer.ask(&Request::StopRdmad {
+                bus: self.bus.clone(),
+            });
         }
     }
 }

@@ -8,7 +8,7 @@
 //! device nor a peer.
 
 use rdmad_tests::daemon::{device_and_gid, object_counts, rdmactl, start_on, wait_for_sessions};
-use rdmad_tests::peer::{Output, Peer};
+use rdmad_tests::peer::{Output, Peer, PeerRdmad};
 use rdmad_tests::NOBODY;
 
 /// The peer of this run; a test run any other way fails here, saying how to run it.
@@ -136,24 +136,63 @@ async fn rxe_native_programs_talk_across_the_wire() {
 
 /// An unmodified verbs program through this host's rdmad against the same program on the
 /// peer's own device (which never heard of rdmad), both ways round: `ibv_rc_pingpong` with
-/// its messages checked, then perftest's `ib_write_bw` (64 KiB, its bandwidth printed).
-/// Afterwards rdmad holds nothing of them.
+/// its messages checked, then perftest's `ib_write_bw` (64 KiB). Afterwards rdmad holds
+/// nothing of them.
 #[tokio::test(flavor = "multi_thread")]
 async fn rxe_a_program_through_rdmad_talks_to_a_native_peer() {
     let _alone = rdmad_tests::ALONE.lock().await;
+    programs_across_the_wire(None).await;
+}
+
+/// Unmodified verbs programs on both hosts, each through its own host's rdmad as an
+/// unprivileged user: `ibv_rc_pingpong` and `ib_write_bw`, both ways round. Afterwards
+/// neither rdmad holds anything of them.
+#[tokio::test(flavor = "multi_thread")]
+async fn rxe_programs_on_both_hosts_through_their_rdmad() {
+    let _alone = rdmad_tests::ALONE.lock().await;
+    let peer = peer();
+    let peer_rdmad = peer.start_rdmad("");
+    let before = peer_rdmad.settled(0);
+    programs_across_the_wire(Some(&peer_rdmad)).await;
+    let after = peer_rdmad.settled(0);
+    for kind in ["qps", "regions", "mrs", "pds", "sessions"] {
+        assert_eq!(
+            after[kind], before[kind],
+            "the peer's {kind}: {before:?} -> {after:?}"
+        );
+    }
+}
+
+/// `ibv_rc_pingpong` and `ib_write_bw`, each served once by this host (through its rdmad)
+/// and once by the peer (native, or through `peer_rdmad`), as `nobody` on both.
+async fn programs_across_the_wire(peer_rdmad: Option<&PeerRdmad>) {
     let peer = peer();
     let (bus, _daemon) = start_on("verbs", "").await;
     let before = object_counts(&bus).await;
     let (device, here) = device_and_gid(&bus);
     let (_, there) = wire_gids(&peer);
     assert_eq!(device, "rxe0");
+    let rdmactl_path = rdmad_tests::binary("rdmactl");
+    let rdmactl_path = rdmactl_path.to_str().unwrap();
+    let peer_env: Vec<(&str, &str)> = peer_rdmad
+        .map(|r| vec![("RDMAD_BUS_ADDRESS", r.bus.as_str())])
+        .unwrap_or_default();
+    let peer_side = if peer_rdmad.is_some() {
+        "the peer's rdmad"
+    } else {
+        "the native peer"
+    };
     let programs: [(&str, &[&str], &str); 2] = [
         ("ibv_rc_pingpong", &["-n", "50", "-c"], "50 iters in"),
         ("ib_write_bw", &["-F", "-s", "65536", "-n", "200"], "65536"),
     ];
-    let mut port = 18520u16;
+    let mut port = if peer_rdmad.is_some() {
+        18540u16
+    } else {
+        18520
+    };
     for (program, args, result) in programs {
-        for rdmad_serves in [false, true] {
+        for this_host_serves in [false, true] {
             port += 1;
             let port_text = port.to_string();
             let gid_flag = if program == "ibv_rc_pingpong" {
@@ -168,12 +207,14 @@ async fn rxe_a_program_through_rdmad_talks_to_a_native_peer() {
                 args,
             ]
             .concat();
-            let remote: Vec<&str> = [
-                &[program, "-d", "rxe0", gid_flag, &there, "-p", &port_text][..],
-                args,
-            ]
-            .concat();
-            let (local_out, remote_out) = if rdmad_serves {
+            let mut remote: Vec<&str> = match peer_rdmad {
+                Some(_) => vec![rdmactl_path, "exec", "--"],
+                None => vec![],
+            };
+            remote.extend([program, "-d", "rxe0", gid_flag, &there, "-p", &port_text]);
+            remote.extend(args);
+            let peer_uid = peer_rdmad.map(|_| NOBODY);
+            let (local_out, remote_out) = if this_host_serves {
                 let server =
                     rdmad_tests::daemon::as_user(Some(NOBODY), &rdmad_tests::binary("rdmactl"))
                         .args(&local)
@@ -183,34 +224,27 @@ async fn rxe_a_program_through_rdmad_talks_to_a_native_peer() {
                         .spawn()
                         .expect("start rdmactl exec");
                 rdmad_tests::wait_for_listener(port).await;
-                let client = peer.run(None, &[&remote[..], &[&peer.own_address]].concat(), &[]);
+                remote.push(&peer.own_address);
+                let client = peer.run(peer_uid, &remote, &peer_env);
                 (server.wait_with_output().expect("server output"), client)
             } else {
-                let server = peer.spawn(None, &remote, &[]);
+                let server = peer.spawn(peer_uid, &remote, &peer_env);
                 peer.wait_for_listener(port);
                 let client = rdmactl(&bus, Some(NOBODY), &[&local[..], &[&peer.address]].concat());
                 (client, server.wait())
             };
             let round = format!(
-                "{program}, {} serves",
-                if rdmad_serves {
-                    "rdmad's client"
+                "{program} between this host's rdmad and {peer_side}, {} serving",
+                if this_host_serves {
+                    "this host"
                 } else {
-                    "the native peer"
+                    "the peer"
                 }
             );
             assert_ran(&remote_out, &round);
             let printed = assert_local(&local_out, &round);
-            for (text, side) in [(&printed, "through rdmad"), (&remote_out.stdout, "native")] {
+            for (text, side) in [(&printed, "this host"), (&remote_out.stdout, "the peer")] {
                 assert!(text.contains(result), "{round}: {side} printed:\n{text}");
-            }
-            if program == "ib_write_bw" {
-                if let Some(line) = printed
-                    .lines()
-                    .find(|l| l.trim_start().starts_with("65536"))
-                {
-                    eprintln!("{round}: ib_write_bw through rdmad: {}", line.trim());
-                }
             }
         }
     }

@@ -11,6 +11,8 @@ use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
+use rdmad_tests::bus::PrivateBus;
+use rdmad_tests::daemon::{start_on, wait_for_sessions, Daemon};
 use rdmad_tests::peer::{Reply, Request, PORT};
 
 /// A spawned program: the child, and the threads collecting its stdout and stderr.
@@ -21,6 +23,17 @@ struct Running {
 }
 
 type Programs = Arc<Mutex<HashMap<u64, Running>>>;
+
+/// The rdmads started on request, by their bus's address, and the runtime they live in.
+struct Daemons {
+    runtime: tokio::runtime::Runtime,
+    running: Mutex<HashMap<String, (PrivateBus, Daemon)>>,
+}
+
+static DAEMONS: std::sync::LazyLock<Daemons> = std::sync::LazyLock::new(|| Daemons {
+    runtime: tokio::runtime::Runtime::new().expect("a tokio runtime"),
+    running: Mutex::default(),
+});
 
 fn main() {
     let Ok(address) = std::env::var("RDMAD_VM_SELF") else {
@@ -51,7 +64,18 @@ fn serve(stream: TcpStream, programs: &Programs, id: u64) {
         return;
     }
     let reply = match serde_json::from_str::<Request>(&line) {
-        Ok(request) => answer(request, programs, id),
+        // The harness's helpers fail by panicking: the test hears why.
+        Ok(request) => std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            answer(request, programs, id)
+        }))
+        .unwrap_or_else(|panic| {
+            let why = panic
+                .downcast_ref::<String>()
+                .cloned()
+                .or_else(|| panic.downcast_ref::<&str>().map(|s| s.to_string()))
+                .unwrap_or_default();
+            Reply::Failed(format!("the peer's agent failed: {why}"))
+        }),
         Err(e) => Reply::Failed(format!("not a request ({e}): {line:?}")),
     };
     let mut text = serde_json::to_string(&reply).expect("a reply serializes");
@@ -130,6 +154,41 @@ fn answer(request: Request, programs: &Programs, id: u64) -> Reply {
             {
                 Ok(()) => Reply::Done,
                 Err(e) => Reply::Failed(format!("signal {signal} to program {id}: {e}")),
+            }
+        }
+        Request::StartRdmad { config } => {
+            let daemons = &*DAEMONS;
+            let _entered = daemons.runtime.enter();
+            let (bus, daemon) = daemons.runtime.block_on(start_on("verbs", &config));
+            let address = bus.address.clone();
+            eprintln!("rdmad-vm-peer: rdmad started on {address}");
+            daemons
+                .running
+                .lock()
+                .unwrap()
+                .insert(address.clone(), (bus, daemon));
+            Reply::Rdmad { bus: address }
+        }
+        Request::Settled { bus, sessions } => {
+            let daemons = &*DAEMONS;
+            let running = daemons.running.lock().unwrap();
+            let Some((bus, _)) = running.get(&bus) else {
+                return Reply::Failed(format!("no rdmad on {bus}"));
+            };
+            let counts = daemons.runtime.block_on(wait_for_sessions(bus, sessions));
+            Reply::Counts(counts)
+        }
+        Request::StopRdmad { bus } => {
+            let daemons = &*DAEMONS;
+            let stopped = daemons.running.lock().unwrap().remove(&bus);
+            match stopped {
+                Some(pair) => {
+                    let _entered = daemons.runtime.enter();
+                    drop(pair);
+                    eprintln!("rdmad-vm-peer: rdmad on {bus} stopped");
+                    Reply::Done
+                }
+                None => Reply::Failed(format!("no rdmad on {bus}")),
             }
         }
         Request::Listening { port, timeout_ms } => {
