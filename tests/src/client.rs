@@ -1,7 +1,8 @@
-//! Driving `rdmad-test-client` (a scriptable client process) as any uid.
+//! Driving `rdmad-test-client` (a scriptable client process) as any uid, on this host or
+//! on the peer of a two-host run.
 
-use std::io::{BufRead, BufReader, Write};
-use std::process::{Child, ChildStdin, ChildStdout, Stdio};
+use std::io::{BufRead, BufReader, Read, Write};
+use std::process::{Child, Stdio};
 
 use serde_json::Value;
 
@@ -10,9 +11,16 @@ use crate::bus::PrivateBus;
 use crate::daemon::as_user;
 
 pub struct Client {
-    child: Child,
-    stdin: ChildStdin,
-    stdout: BufReader<ChildStdout>,
+    process: Process,
+    stdin: Box<dyn Write + Send>,
+    stdout: BufReader<Box<dyn Read + Send>>,
+}
+
+/// Where the client runs.
+enum Process {
+    Local(Child),
+    /// On the peer, behind its agent: closing the connection kills it.
+    Peer(std::net::TcpStream),
 }
 
 impl Client {
@@ -24,12 +32,31 @@ impl Client {
             .stdout(Stdio::piped())
             .spawn()
             .expect("spawn rdmad-test-client");
-        let stdin = child.stdin.take().expect("stdin");
-        let stdout = BufReader::new(child.stdout.take().expect("stdout"));
+        let stdin = Box::new(child.stdin.take().expect("stdin"));
+        let stdout: Box<dyn Read + Send> = Box::new(child.stdout.take().expect("stdout"));
         Client {
-            child,
+            process: Process::Local(child),
             stdin,
-            stdout,
+            stdout: BufReader::new(stdout),
+        }
+    }
+
+    /// Starts a client on the peer of a two-host run, connected to the peer's rdmad, as
+    /// `uid` there.
+    pub fn on_peer(rdmad: &crate::peer::PeerRdmad, uid: Option<u32>) -> Client {
+        let path = binary("rdmad-test-client");
+        let stream = rdmad.peer().attach(
+            uid,
+            &[path.to_str().expect("a UTF-8 path")],
+            &[("RDMAD_BUS_ADDRESS", &rdmad.bus)],
+        );
+        let stdin = Box::new(stream.try_clone().expect("clone the connection"));
+        let stdout: Box<dyn Read + Send> =
+            Box::new(stream.try_clone().expect("clone the connection"));
+        Client {
+            process: Process::Peer(stream),
+            stdin,
+            stdout: BufReader::new(stdout),
         }
     }
 
@@ -75,20 +102,39 @@ impl Client {
         answer["message"].as_str().unwrap_or_default().to_owned()
     }
 
+    /// The client's pid (on this host).
     pub fn pid(&self) -> u32 {
-        self.child.id()
+        match &self.process {
+            Process::Local(child) => child.id(),
+            Process::Peer(_) => panic!("a client on the peer has no pid here"),
+        }
     }
 
-    /// SIGKILL, as a crash would.
+    /// SIGKILL, as a crash would (on the peer: its agent kills it once the connection
+    /// closes).
     pub fn kill(&mut self) {
-        self.child.kill().expect("kill client");
-        self.child.wait().expect("reap client");
+        match &mut self.process {
+            Process::Local(child) => {
+                child.kill().expect("kill client");
+                child.wait().expect("reap client");
+            }
+            Process::Peer(stream) => {
+                let _ = stream.shutdown(std::net::Shutdown::Both);
+            }
+        }
     }
 }
 
 impl Drop for Client {
     fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
+        match &mut self.process {
+            Process::Local(child) => {
+                let _ = child.kill();
+                let _ = child.wait();
+            }
+            Process::Peer(stream) => {
+                let _ = stream.shutdown(std::net::Shutdown::Both);
+            }
+        }
     }
 }

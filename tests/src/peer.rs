@@ -36,6 +36,15 @@ pub enum Request {
     Settled { bus: String, sessions: u64 },
     /// Stop the peer's rdmad on `bus` and its bus.
     StopRdmad { bus: String },
+    /// Start `argv` as `uid` with `env` added, and make this connection its stdin and
+    /// stdout from the next line on; closing the connection kills it. No reply: a program
+    /// that cannot start answers one `{"error": "Spawn", "message": …}` line, as an
+    /// `rdmad-test-client` command that failed would.
+    Attach {
+        argv: Vec<String>,
+        uid: Option<u32>,
+        env: Vec<(String, String)>,
+    },
 }
 
 /// The peer's answer.
@@ -101,6 +110,30 @@ impl Peer {
     }
 
     fn ask(&self, request: &Request) -> Reply {
+        let stream = self.send(request);
+        let mut answer = String::new();
+        BufReader::new(&stream)
+            .read_line(&mut answer)
+            .expect("read the peer's answer");
+        serde_json::from_str(&answer)
+            .unwrap_or_else(|e| panic!("the peer's answer {answer:?} is not a reply: {e}"))
+    }
+
+    /// Starts `argv` on the peer as `uid` with `env` added: a connection that is its stdin
+    /// and stdout ([`Request::Attach`]).
+    pub fn attach(&self, uid: Option<u32>, argv: &[&str], env: &[(&str, &str)]) -> TcpStream {
+        self.send(&Request::Attach {
+            argv: argv.iter().map(|s| s.to_string()).collect(),
+            uid,
+            env: env
+                .iter()
+                .map(|(k, v)| (k.to_string(), v.to_string()))
+                .collect(),
+        })
+    }
+
+    /// Opens a connection to the agent and sends `request` on it.
+    fn send(&self, request: &Request) -> TcpStream {
         // The peer boots alongside this guest: its agent may not listen yet.
         let deadline = Instant::now() + crate::TIMEOUT * 3;
         let stream = loop {
@@ -122,12 +155,7 @@ impl Peer {
         (&stream)
             .write_all(line.as_bytes())
             .expect("send to the peer");
-        let mut answer = String::new();
-        BufReader::new(&stream)
-            .read_line(&mut answer)
-            .expect("read the peer's answer");
-        serde_json::from_str(&answer)
-            .unwrap_or_else(|e| panic!("the peer's answer {answer:?} is not a reply: {e}"))
+        stream
     }
 
     /// Starts `argv` on the peer as `uid` (root if `None`) with `env` added.
@@ -191,6 +219,11 @@ pub struct PeerRdmad {
 }
 
 impl PeerRdmad {
+    /// The peer it runs on.
+    pub fn peer(&self) -> &Peer {
+        &self.peer
+    }
+
     /// Waits until it has `sessions` sessions: its `Manager.ObjectCounts` then.
     pub fn settled(&self, sessions: u64) -> std::collections::HashMap<String, u64> {
         match self.peer.ask(&Request::Settled {

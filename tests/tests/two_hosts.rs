@@ -7,6 +7,7 @@
 //! Every test is named `rxe_*`: none can run on the host, which has neither a kernel RDMA
 //! device nor a peer.
 
+use rdmad_tests::client::Client;
 use rdmad_tests::daemon::{device_and_gid, object_counts, rdmactl, start_on, wait_for_sessions};
 use rdmad_tests::peer::{Output, Peer, PeerRdmad};
 use rdmad_tests::NOBODY;
@@ -252,5 +253,136 @@ async fn programs_across_the_wire(peer_rdmad: Option<&PeerRdmad>) {
     let after = object_counts(&bus).await;
     for kind in ["qps", "regions", "mrs", "pds", "sessions"] {
         assert_eq!(after[kind], before[kind], "{kind}: {before:?} -> {after:?}");
+    }
+}
+
+fn assert_completion(c: &serde_json::Value, wr_id: u64, status: &str, opcode: &str) {
+    assert_eq!(
+        (
+            c["wr_id"].as_u64(),
+            c["status"].as_str(),
+            c["opcode"].as_str()
+        ),
+        (Some(wr_id), Some(status), Some(opcode)),
+        "{c}"
+    );
+}
+
+/// rdmad to rdmad: a client of this host's rdmad and one of the peer's, each as `nobody`,
+/// connect their QPs by the endpoints their daemons gave them and use every operation the
+/// ring carries across the wire — SEND/RECV, with immediate data, RDMA WRITE (with
+/// immediate data too) and READ into the peer's export, fetch-and-add and
+/// compare-and-swap, a 1 MiB stream (its bandwidth printed) — then the export is released
+/// and its old rkey is refused with a remote access error, the memory untouched. Both
+/// daemons end with nothing of them.
+#[tokio::test(flavor = "multi_thread")]
+async fn rxe_rdmad_clients_on_two_hosts_move_data() {
+    let _alone = rdmad_tests::ALONE.lock().await;
+    let peer = peer();
+    let peer_rdmad = peer.start_rdmad("");
+    let before_there = peer_rdmad.settled(0);
+    let (bus, _daemon) = start_on("verbs", "").await;
+    let before_here = object_counts(&bus).await;
+    {
+        let mut a = Client::start(&bus, Some(NOBODY));
+        let mut b = Client::on_peer(&peer_rdmad, Some(NOBODY));
+        for c in [&mut a, &mut b] {
+            c.ok("open");
+            c.ok("alloc default 1048576");
+            c.ok("qp rxe0 64 64");
+        }
+        let (ea, eb) = (a.ok("endpoint 0"), b.ok("endpoint 0"));
+        a.ok(&format!("connect 0 {eb}"));
+        b.ok(&format!("connect 0 {ea}"));
+
+        // SEND / RECV, then with immediate data.
+        b.ok("post 0 recv 0 100 64 1");
+        a.ok("write 0 0 hello-across-the-wire");
+        a.ok("post 0 send 0 0 21 2");
+        assert_completion(&a.ok("wait 0"), 2, "Success", "Send");
+        let got = b.ok("wait 0");
+        assert_completion(&got, 1, "Success", "Recv");
+        assert_eq!(got["byte_len"], 21, "{got}");
+        assert_eq!(b.ok("read 0 100 21"), "hello-across-the-wire");
+        b.ok("post 0 recv 0 200 64 3");
+        a.ok("post 0 send:4242 0 0 5 4");
+        assert_completion(&a.ok("wait 0"), 4, "Success", "Send");
+        let got = b.ok("wait 0");
+        assert_completion(&got, 3, "Success", "Recv");
+        assert_eq!(got["imm"], 4242, "{got}");
+
+        // The peer's export: WRITE, READ, both atomics, WRITE with immediate data.
+        let export = b.ok("export 0 0 rwa");
+        let (addr, rkey, id) = (
+            export[0].as_u64().unwrap(),
+            export[1].as_u64().unwrap(),
+            export[3].as_u64().unwrap(),
+        );
+        a.ok("write 0 0 remote-write");
+        a.ok(&format!("post 0 write 0 0 12 5 {} {rkey}", addr + 1000));
+        assert_completion(&a.ok("wait 0"), 5, "Success", "Write");
+        assert_eq!(b.ok("read 0 1000 12"), "remote-write");
+        b.ok("write 0 2000 readable");
+        a.ok(&format!("post 0 read 0 500 8 6 {} {rkey}", addr + 2000));
+        assert_completion(&a.ok("wait 0"), 6, "Success", "Read");
+        assert_eq!(a.ok("read 0 500 8"), "readable");
+        b.ok("write-u64 0 3000 40");
+        a.ok(&format!("post 0 fadd 0 3008 8 7 {} {rkey} 2", addr + 3000));
+        assert_completion(&a.ok("wait 0"), 7, "Success", "FetchAdd");
+        assert_eq!(
+            (b.ok("read-u64 0 3000"), a.ok("read-u64 0 3008")),
+            (42.into(), 40.into())
+        );
+        a.ok(&format!(
+            "post 0 cswap 0 3016 8 8 {} {rkey} 42 7",
+            addr + 3000
+        ));
+        assert_completion(&a.ok("wait 0"), 8, "Success", "CompareSwap");
+        assert_eq!(
+            (b.ok("read-u64 0 3000"), a.ok("read-u64 0 3016")),
+            (7.into(), 42.into())
+        );
+        b.ok("post 0 recv 0 400 0 9");
+        a.ok("write 0 0 imm!");
+        a.ok(&format!("post 0 write:77 0 0 4 10 {} {rkey}", addr + 4000));
+        assert_completion(&a.ok("wait 0"), 10, "Success", "Write");
+        let got = b.ok("wait 0");
+        assert_eq!(
+            (got["wr_id"].as_u64(), got["imm"].as_u64()),
+            (Some(9), Some(77)),
+            "{got}"
+        );
+        assert_eq!(b.ok("read 0 4000 4"), "imm!");
+
+        // A stream of 1 MiB WRITEs into the whole export.
+        let stream = a.ok(&format!("stream 0 0 16 1048576 {addr} {rkey}"));
+        eprintln!("1 MiB RDMA WRITEs across the wire, rdmad to rdmad: {stream}");
+        assert_eq!(stream["bytes"], 16u64 << 20, "{stream}");
+
+        // Released: the old rkey is refused and the memory stays as it was.
+        b.ok("write 0 0 untouched");
+        b.ok(&format!("unexport 0 {id}"));
+        a.ok("write 0 0 stale-write");
+        a.ok(&format!("post 0 write 0 0 11 11 {addr} {rkey}"));
+        let c = a.ok("wait 0");
+        assert_eq!(
+            (c["wr_id"].as_u64(), c["status"].as_str()),
+            (Some(11), Some("RemoteAccessError")),
+            "{c}"
+        );
+        assert_eq!(b.ok("read 0 0 9"), "untouched");
+    }
+    wait_for_sessions(&bus, 0).await;
+    let after_here = object_counts(&bus).await;
+    let after_there = peer_rdmad.settled(0);
+    for kind in ["qps", "cqs", "mws", "mrs", "regions", "sessions"] {
+        assert_eq!(
+            after_here[kind], before_here[kind],
+            "here {kind}: {after_here:?}"
+        );
+        assert_eq!(
+            after_there[kind], before_there[kind],
+            "peer {kind}: {after_there:?}"
+        );
     }
 }

@@ -19,7 +19,10 @@
 //!   session-info PATH | close-session PATH | alloc-in PATH POOL SIZE
 //!   qp DEVICE [SEND_DEPTH [RECV_DEPTH [MAX_INLINE]]] → [qp path, ring size, sq entries, cq entries]
 //!   endpoint N | qpinfo N | destroy N | flush N | connect N ENDPOINT-JSON   (N: index or qp path)
-//!   post Q OP REGION OFFSET LEN WRID [REMOTE_ADDR RKEY]   (OP: send recv write read fadd;
+//!   post Q OP REGION OFFSET LEN WRID [REMOTE_ADDR RKEY [ARG [SWAP]]]
+//!                                 (OP: send recv write read fadd cswap, send:IMM and
+//!                                 write:IMM with immediate data; ARG: fadd's addend
+//!                                 (default 1) or cswap's compare value;
 //!                                 REGION: index of a held region, or #ID for any id)
 //!   post-garbage Q WRID | bad-tail Q | wait Q → completion JSON (60 s at most)
 //!   export N Q [ACCESS] → [addr, rkey, len, export id] | unexport N EXPORT
@@ -27,6 +30,10 @@
 //!   rtt QA QB REGION COUNT        → {median_us, p99_us, max_us, count}: COUNT 64-byte
 //!                                 SEND round trips between two of this client's QPs
 //!                                 (connected to each other), through region REGION
+//!   read-u64 N OFFSET | write-u64 N OFFSET VALUE → a little-endian u64 | null
+//!   stream Q REGION COUNT LEN REMOTE_ADDR RKEY → {bytes, seconds, mb_per_s}: COUNT
+//!                                 LEN-byte RDMA WRITEs, all completed, a queue's worth in
+//!                                 flight
 //!   flood Q REGION COUNT LEN REMOTE_ADDR RKEY → how many LEN-byte RDMA WRITEs were queued
 //!                                 (unsignaled but the last; completions are not awaited)
 //!   attack-fds Q                  → what was done to QP Q's doorbell and completion
@@ -423,19 +430,29 @@ async fn main() {
                     }
                 }
                 "post" => {
-                    // post Q send|recv|write|read|fadd REGION_IDX|#ID OFFSET LEN WRID [REMOTE_ADDR RKEY]
+                    // post Q OP REGION_IDX|#ID OFFSET LEN WRID [REMOTE_ADDR RKEY [ARG [SWAP]]]
                     let region = if let Some(raw) = arg(2).strip_prefix('#') {
                         raw.parse().unwrap_or(u64::MAX)
                     } else {
                         rdmad_client::names::object_id(held[num(2) as usize].path.as_str())
                             .unwrap_or(0)
                     };
-                    let opcode = match arg(1) {
+                    let (op, imm) = match arg(1).split_once(':') {
+                        Some((op, imm)) => (
+                            op,
+                            Some(imm.parse::<u32>().map_err(|e| {
+                                Error::InvalidArgument(format!("immediate data {imm}: {e}"))
+                            })?),
+                        ),
+                        None => (arg(1), None),
+                    };
+                    let opcode = match op {
                         "send" => Opcode::Send,
                         "recv" => Opcode::Recv,
                         "write" => Opcode::Write,
                         "read" => Opcode::Read,
                         "fadd" => Opcode::FetchAdd,
+                        "cswap" => Opcode::CompareSwap,
                         other => return Err(Error::InvalidArgument(format!("opcode {other}"))),
                     };
                     let sge = RegionSge {
@@ -446,7 +463,9 @@ async fn main() {
                     let sub = Submission {
                         remote_addr: if args.len() > 6 { num(6) } else { 0 },
                         rkey: if args.len() > 7 { num(7) as u32 } else { 0 },
-                        compare_add: 1,
+                        compare_add: if args.len() > 8 { num(8) } else { 1 },
+                        swap: if args.len() > 9 { num(9) } else { 0 },
+                        imm,
                         ..Submission::new(opcode, num(5), sge)
                     };
                     match rings[num(0) as usize]
@@ -500,6 +519,7 @@ async fn main() {
                             "status": format!("{:?}", c.status),
                             "opcode": format!("{:?}", c.opcode),
                             "byte_len": c.byte_len,
+                            "imm": c.imm,
                             "detail": c.detail,
                         }),
                     })
@@ -539,6 +559,80 @@ async fn main() {
                         }
                     }
                     Ok(json!(queued))
+                }
+                "stream" => {
+                    // stream Q REGION COUNT LEN REMOTE_ADDR RKEY: COUNT LEN-byte RDMA WRITEs,
+                    // each signaled, at most a send queue's worth in flight.
+                    let region =
+                        rdmad_client::names::object_id(held[num(1) as usize].path.as_str())
+                            .unwrap_or(0);
+                    let (q, count, len) = (num(0) as usize, num(2), num(3) as u32);
+                    let started = std::time::Instant::now();
+                    let (mut posted, mut completed) = (0u64, 0u64);
+                    while completed < count {
+                        while posted < count {
+                            let sub = Submission {
+                                remote_addr: num(4),
+                                rkey: num(5) as u32,
+                                ..Submission::new(
+                                    Opcode::Write,
+                                    posted,
+                                    RegionSge {
+                                        region,
+                                        offset: 0,
+                                        length: len,
+                                    },
+                                )
+                            };
+                            match rings[q]
+                                .submit(&sub)
+                                .map_err(|e| Error::InvalidArgument(e.to_string()))?
+                            {
+                                Ok(()) => posted += 1,
+                                Err(_) => break,
+                            }
+                        }
+                        let c = rings[q]
+                            .wait(std::time::Duration::from_secs(60))
+                            .map_err(|e| Error::InvalidArgument(e.to_string()))?
+                            .ok_or_else(|| {
+                                Error::InvalidArgument(format!(
+                                    "no completion within 60 s ({completed} of {count})"
+                                ))
+                            })?;
+                        if c.status != rdmad_client::ring::Status::Success {
+                            return Err(Error::InvalidArgument(format!(
+                                "write {} failed: {:?}",
+                                c.wr_id, c.status
+                            )));
+                        }
+                        completed += 1;
+                    }
+                    let seconds = started.elapsed().as_secs_f64();
+                    Ok(json!({
+                        "bytes": count * u64::from(len),
+                        "seconds": seconds,
+                        "mb_per_s": (count * u64::from(len)) as f64 / seconds / 1e6,
+                    }))
+                }
+                "read-u64" => {
+                    let mut buf = [0u8; 8];
+                    held[num(0) as usize]
+                        .mapping
+                        .as_ref()
+                        .expect("mapped")
+                        .read(num(1) as usize, &mut buf)
+                        .expect("read");
+                    Ok(json!(u64::from_le_bytes(buf)))
+                }
+                "write-u64" => {
+                    held[num(0) as usize]
+                        .mapping
+                        .as_ref()
+                        .expect("mapped")
+                        .write(num(1) as usize, &num(2).to_le_bytes())
+                        .expect("write");
+                    Ok(Value::Null)
                 }
                 "attack-fds" => Ok(attack_fds(&ring_fds[num(0) as usize])),
                 "punch-ring" => Ok(punch_and_truncate(&ring_fds[num(0) as usize].ring)),

@@ -59,9 +59,13 @@ fn main() {
 }
 
 fn serve(stream: TcpStream, programs: &Programs, id: u64) {
+    let mut reader = BufReader::new(&stream);
     let mut line = String::new();
-    if BufReader::new(&stream).read_line(&mut line).is_err() {
+    if reader.read_line(&mut line).is_err() {
         return;
+    }
+    if let Ok(Request::Attach { argv, uid, env }) = serde_json::from_str::<Request>(&line) {
+        return attach(reader, &stream, &argv, uid, env, id);
     }
     let reply = match serde_json::from_str::<Request>(&line) {
         // The harness's helpers fail by panicking: the test hears why.
@@ -83,26 +87,73 @@ fn serve(stream: TcpStream, programs: &Programs, id: u64) {
     let _ = (&stream).write_all(text.as_bytes());
 }
 
+/// `argv` as `uid` (root if none) with `env` added; `None` for an empty `argv`.
+fn command(argv: &[String], uid: Option<u32>, env: Vec<(String, String)>) -> Option<Command> {
+    let (program, args) = argv.split_first()?;
+    let mut command = match uid {
+        None => Command::new(program),
+        Some(uid) => {
+            let mut c = Command::new("setpriv");
+            c.arg(format!("--reuid={uid}"))
+                .arg(format!("--regid={uid}"))
+                .arg("--clear-groups")
+                .arg(program);
+            c
+        }
+    };
+    command.args(args).envs(env);
+    Some(command)
+}
+
+/// Runs `argv` with the connection as its stdin and stdout (`Request::Attach`) until
+/// either side closes; then kills it.
+fn attach(
+    mut from_test: BufReader<&TcpStream>,
+    stream: &TcpStream,
+    argv: &[String],
+    uid: Option<u32>,
+    env: Vec<(String, String)>,
+    id: u64,
+) {
+    let spawned = command(argv, uid, env)
+        .ok_or_else(|| "an empty command".to_owned())
+        .and_then(|mut c| {
+            c.stdin(Stdio::piped())
+                .stdout(Stdio::piped())
+                .spawn()
+                .map_err(|e| e.to_string())
+        });
+    let mut child = match spawned {
+        Ok(child) => child,
+        Err(e) => {
+            let line = serde_json::json!({"error": "Spawn", "message": format!("{argv:?}: {e}")});
+            let _ = writeln!(&*stream, "{line}");
+            return;
+        }
+    };
+    eprintln!("rdmad-vm-peer: [{id}] attached {argv:?} as {uid:?}");
+    let mut stdin = child.stdin.take().expect("piped stdin");
+    let mut stdout = child.stdout.take().expect("piped stdout");
+    let mut to_test = stream.try_clone().expect("clone the connection");
+    let output = std::thread::spawn(move || std::io::copy(&mut stdout, &mut to_test));
+    // Commands until the test closes the connection.
+    let _ = std::io::copy(&mut from_test, &mut stdin);
+    drop(stdin);
+    let _ = child.kill();
+    let _ = child.wait();
+    let _ = stream.shutdown(std::net::Shutdown::Both);
+    let _ = output.join();
+    eprintln!("rdmad-vm-peer: [{id}] detached");
+}
+
 fn answer(request: Request, programs: &Programs, id: u64) -> Reply {
     match request {
+        Request::Attach { .. } => Reply::Failed("Attach is answered by its own loop".into()),
         Request::Spawn { argv, uid, env } => {
-            let Some((program, args)) = argv.split_first() else {
+            let Some(mut command) = command(&argv, uid, env) else {
                 return Reply::Failed("an empty command".into());
             };
-            let mut command = match uid {
-                None => Command::new(program),
-                Some(uid) => {
-                    let mut c = Command::new("setpriv");
-                    c.arg(format!("--reuid={uid}"))
-                        .arg(format!("--regid={uid}"))
-                        .arg("--clear-groups")
-                        .arg(program);
-                    c
-                }
-            };
             command
-                .args(args)
-                .envs(env)
                 .stdin(Stdio::null())
                 .stdout(Stdio::piped())
                 .stderr(Stdio::piped());
