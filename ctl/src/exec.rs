@@ -31,18 +31,31 @@ fn library_dirs() -> Vec<PathBuf> {
 
 fn library_dir() -> Result<PathBuf, String> {
     let dirs = library_dirs();
-    dirs.iter()
-        .find(|d| d.join("libibverbs.so.1").is_file())
-        .cloned()
-        .ok_or_else(|| {
-            let tried: Vec<_> = dirs.iter().map(|d| d.display().to_string()).collect();
-            format!(
-                "rdmad's verbs library is not installed: no libibverbs.so.1 in {} \
-                 (install the rdmad package, or set {VERBS_DIR_ENV} to the directory that \
-                 holds it)",
-                tried.join(" or ")
-            )
-        })
+    let mut unreachable = Vec::new();
+    for dir in &dirs {
+        let library = dir.join("libibverbs.so.1");
+        // Opened, not just looked at: the dynamic loader must read it as this user.
+        match std::fs::File::open(&library) {
+            Ok(_) => return Ok(dir.clone()),
+            Err(e) if e.kind() == std::io::ErrorKind::PermissionDenied => {
+                unreachable.push(library.display().to_string())
+            }
+            Err(_) => {}
+        }
+    }
+    if !unreachable.is_empty() {
+        return Err(format!(
+            "rdmad's verbs library is there but this user cannot read it: {} (permission \
+             denied: a directory above it, or the file, is closed to this user)",
+            unreachable.join(", ")
+        ));
+    }
+    let tried: Vec<_> = dirs.iter().map(|d| d.display().to_string()).collect();
+    Err(format!(
+        "rdmad's verbs library is not installed: no libibverbs.so.1 in {} (install the \
+         rdmad package, or set {VERBS_DIR_ENV} to the directory that holds it)",
+        tried.join(" or ")
+    ))
 }
 
 /// `LD_LIBRARY_PATH` with `dir` first.

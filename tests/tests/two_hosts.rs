@@ -386,3 +386,57 @@ async fn rxe_rdmad_clients_on_two_hosts_move_data() {
         );
     }
 }
+
+/// The peer's client killed in the middle of a stream of 1 MiB WRITEs into its export:
+/// the writer's requests fail (the peer's daemon tore the QP and the export down), the
+/// writer hears it as a failed completion instead of hanging, its daemon keeps serving,
+/// and both daemons end with nothing of either client.
+#[tokio::test(flavor = "multi_thread")]
+async fn rxe_a_peer_killed_mid_transfer_fails_the_writer_cleanly() {
+    let _alone = rdmad_tests::ALONE.lock().await;
+    let peer = peer();
+    let peer_rdmad = peer.start_rdmad("");
+    let before_there = peer_rdmad.settled(0);
+    let (bus, _daemon) = start_on("verbs", "").await;
+    let before_here = object_counts(&bus).await;
+    {
+        let mut a = Client::start(&bus, Some(NOBODY));
+        let mut b = Client::on_peer(&peer_rdmad, Some(NOBODY));
+        for c in [&mut a, &mut b] {
+            c.ok("open");
+            c.ok("alloc default 1048576");
+            c.ok("qp rxe0 64 64");
+        }
+        let (ea, eb) = (a.ok("endpoint 0"), b.ok("endpoint 0"));
+        a.ok(&format!("connect 0 {eb}"));
+        b.ok(&format!("connect 0 {ea}"));
+        let export = b.ok("export 0 0 w");
+        let (addr, rkey) = (export[0].as_u64().unwrap(), export[1].as_u64().unwrap());
+        // The first WRITE lands: the stream is under way when the peer dies.
+        a.ok(&format!("post 0 write 0 0 8 1 {addr} {rkey}"));
+        assert_completion(&a.ok("wait 0"), 1, "Success", "Write");
+        a.send(&format!("stream 0 0 100000 1048576 {addr} {rkey}"));
+        b.kill();
+        let answer = a.answer();
+        let failed = answer["message"].as_str().unwrap_or_default();
+        assert!(
+            answer.get("error").is_some() && failed.contains("failed"),
+            "the stream should end in a failed WRITE once the peer is gone: {answer}"
+        );
+        // The writer's daemon still serves it.
+        assert_eq!(a.ok("qps").as_array().map(Vec::len), Some(1));
+    }
+    wait_for_sessions(&bus, 0).await;
+    let after_here = object_counts(&bus).await;
+    let after_there = peer_rdmad.settled(0);
+    for kind in ["qps", "cqs", "mws", "mrs", "regions", "sessions"] {
+        assert_eq!(
+            after_here[kind], before_here[kind],
+            "here {kind}: {after_here:?}"
+        );
+        assert_eq!(
+            after_there[kind], before_there[kind],
+            "peer {kind}: {after_there:?}"
+        );
+    }
+}

@@ -865,3 +865,26 @@ async fn exec_of_a_missing_program_says_so() {
         "{stderr}"
     );
 }
+
+/// `rdmactl exec` as a user who cannot read rdmad's libibverbs (a checkout in a private
+/// directory) says so, naming the file, instead of calling it missing.
+#[tokio::test]
+async fn exec_with_a_library_the_user_cannot_read_says_so() {
+    let (bus, _daemon) = start_on("loopback", "").await;
+    let private = tempfile::tempdir().unwrap();
+    std::fs::set_permissions(private.path(), std::fs::Permissions::from_mode(0o700)).unwrap();
+    let library = private.path().join("libibverbs.so.1");
+    std::fs::write(&library, b"").unwrap();
+    let out = rdmad_tests::daemon::as_user(Some(NOBODY), &rdmad_tests::binary("rdmactl"))
+        .args(["exec", "--", "true"])
+        .env("RDMAD_BUS_ADDRESS", &bus.address)
+        .env("RDMAD_VERBS_DIR", private.path())
+        .output()
+        .expect("run rdmactl");
+    assert_eq!(out.status.code(), Some(126));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains("this user cannot read it") && stderr.contains(&*library.to_string_lossy()),
+        "{stderr}"
+    );
+}
