@@ -50,6 +50,10 @@ impl Client {
             &[path.to_str().expect("a UTF-8 path")],
             &[("RDMAD_BUS_ADDRESS", &rdmad.bus)],
         );
+        // A peer that stopped answering fails the test instead of hanging it.
+        stream
+            .set_read_timeout(Some(crate::TIMEOUT * 3))
+            .expect("a read time-out");
         let stdin = Box::new(stream.try_clone().expect("clone the connection"));
         let stdout: Box<dyn Read + Send> =
             Box::new(stream.try_clone().expect("clone the connection"));

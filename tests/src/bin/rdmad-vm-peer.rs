@@ -135,15 +135,36 @@ fn attach(
     let mut stdin = child.stdin.take().expect("piped stdin");
     let mut stdout = child.stdout.take().expect("piped stdout");
     let mut to_test = stream.try_clone().expect("clone the connection");
-    let output = std::thread::spawn(move || std::io::copy(&mut stdout, &mut to_test));
+    let output = std::thread::spawn(move || pump(&mut stdout, &mut to_test));
     // Commands until the test closes the connection.
-    let _ = std::io::copy(&mut from_test, &mut stdin);
+    pump(&mut from_test, &mut stdin);
     drop(stdin);
     let _ = child.kill();
     let _ = child.wait();
     let _ = stream.shutdown(std::net::Shutdown::Both);
     let _ = output.join();
     eprintln!("rdmad-vm-peer: [{id}] detached");
+}
+
+/// Copies `from` to `to` as it arrives, until either ends. (Not `std::io::copy`: between a
+/// socket and a pipe it splices, and a splice from the socket was seen to return 0 — read
+/// as the end — while the connection was open.)
+fn pump(from: &mut impl Read, to: &mut impl Write) {
+    let mut buffer = [0u8; 8192];
+    loop {
+        match from.read(&mut buffer) {
+            Ok(0) | Err(_) => return,
+            Ok(n) => {
+                if to
+                    .write_all(&buffer[..n])
+                    .and_then(|()| to.flush())
+                    .is_err()
+                {
+                    return;
+                }
+            }
+        }
+    }
 }
 
 fn answer(request: Request, programs: &Programs, id: u64) -> Reply {
