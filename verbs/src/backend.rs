@@ -90,7 +90,6 @@ impl Backend {
         }
     }
 
-    /// Runs a bus call to completion on the calling thread.
     /// Runs `f` while the library's bus thread is parked in a task of its own: it makes no
     /// system call meanwhile. Moving pages under the program (`abi::remap`) needs this: the
     /// bus thread's buffers (its socket reads, its `epoll_wait` events) may live in the very
@@ -112,6 +111,7 @@ impl Backend {
         result
     }
 
+    /// Runs a bus call to completion on the calling thread.
     pub fn block_on<F: std::future::Future>(&self, future: F) -> F::Output {
         self.runtime.block_on(future)
     }
