@@ -142,3 +142,17 @@ impl Drop for Client {
         }
     }
 }
+
+/// Asserts that completion `c` (as `wait` answers it) is request `wr_id`'s, with `status`
+/// and `opcode`.
+pub fn assert_completion(c: &Value, wr_id: u64, status: &str, opcode: &str) {
+    assert_eq!(
+        (
+            c["wr_id"].as_u64(),
+            c["status"].as_str(),
+            c["opcode"].as_str()
+        ),
+        (Some(wr_id), Some(status), Some(opcode)),
+        "{c}"
+    );
+}

@@ -67,6 +67,16 @@ pub enum Reply {
     Failed(String),
 }
 
+fn owned(argv: &[&str]) -> Vec<String> {
+    argv.iter().map(|s| s.to_string()).collect()
+}
+
+fn owned_pairs(env: &[(&str, &str)]) -> Vec<(String, String)> {
+    env.iter()
+        .map(|(k, v)| (k.to_string(), v.to_string()))
+        .collect()
+}
+
 /// What a program the peer ran printed, and how it ended.
 #[derive(Debug, Clone)]
 pub struct Output {
@@ -123,12 +133,9 @@ impl Peer {
     /// and stdout ([`Request::Attach`]).
     pub fn attach(&self, uid: Option<u32>, argv: &[&str], env: &[(&str, &str)]) -> TcpStream {
         self.send(&Request::Attach {
-            argv: argv.iter().map(|s| s.to_string()).collect(),
+            argv: owned(argv),
             uid,
-            env: env
-                .iter()
-                .map(|(k, v)| (k.to_string(), v.to_string()))
-                .collect(),
+            env: owned_pairs(env),
         })
     }
 
@@ -161,12 +168,9 @@ impl Peer {
     /// Starts `argv` on the peer as `uid` (root if `None`) with `env` added.
     pub fn spawn(&self, uid: Option<u32>, argv: &[&str], env: &[(&str, &str)]) -> PeerProgram {
         let request = Request::Spawn {
-            argv: argv.iter().map(|s| s.to_string()).collect(),
+            argv: owned(argv),
             uid,
-            env: env
-                .iter()
-                .map(|(k, v)| (k.to_string(), v.to_string()))
-                .collect(),
+            env: owned_pairs(env),
         };
         match self.ask(&request) {
             Reply::Spawned { id } => PeerProgram {

@@ -17,7 +17,7 @@ rdmad::on_both_providers!(async
 
 mod bodies {
     use rdmad_tests::bus::PrivateBus;
-    use rdmad_tests::client::Client;
+    use rdmad_tests::client::{assert_completion, Client};
     use rdmad_tests::daemon::{object_counts, start_on, start_with_env, wait_for_sessions};
     use rdmad_tests::{kernel_verbs_objects, NOBODY};
 
@@ -45,18 +45,6 @@ mod bodies {
         a.ok(&format!("connect 0 {eb}"));
         b.ok(&format!("connect 0 {ea}"));
         (a, b)
-    }
-
-    fn assert_completion(c: &serde_json::Value, wr_id: u64, status: &str, opcode: &str) {
-        assert_eq!(
-            (
-                c["wr_id"].as_u64(),
-                c["status"].as_str(),
-                c["opcode"].as_str()
-            ),
-            (Some(wr_id), Some(status), Some(opcode)),
-            "{c}"
-        );
     }
 
     pub async fn send_and_receive_through_the_rings(provider: &str) {

@@ -7,7 +7,10 @@
 //! Every test is named `rxe_*`: none can run on the host, which has neither a kernel RDMA
 //! device nor a peer.
 
-use rdmad_tests::client::Client;
+use std::collections::HashMap;
+
+use rdmad_tests::bus::PrivateBus;
+use rdmad_tests::client::{assert_completion, Client};
 use rdmad_tests::daemon::{device_and_gid, object_counts, rdmactl, start_on, wait_for_sessions};
 use rdmad_tests::peer::{Output, Peer, PeerRdmad};
 use rdmad_tests::NOBODY;
@@ -256,16 +259,42 @@ async fn programs_across_the_wire(peer_rdmad: Option<&PeerRdmad>) {
     }
 }
 
-fn assert_completion(c: &serde_json::Value, wr_id: u64, status: &str, opcode: &str) {
-    assert_eq!(
-        (
-            c["wr_id"].as_u64(),
-            c["status"].as_str(),
-            c["opcode"].as_str()
-        ),
-        (Some(wr_id), Some(status), Some(opcode)),
-        "{c}"
-    );
+/// A client of this host's rdmad and one of the peer's rdmad, each as `nobody` with a
+/// 1 MiB region and a QP on rxe0, connected to each other by their daemons' endpoints.
+fn connected_across(bus: &PrivateBus, peer_rdmad: &PeerRdmad) -> (Client, Client) {
+    let mut a = Client::start(bus, Some(NOBODY));
+    let mut b = Client::on_peer(peer_rdmad, Some(NOBODY));
+    for c in [&mut a, &mut b] {
+        c.ok("open");
+        c.ok("alloc default 1048576");
+        c.ok("qp rxe0 64 64");
+    }
+    let (ea, eb) = (a.ok("endpoint 0"), b.ok("endpoint 0"));
+    a.ok(&format!("connect 0 {eb}"));
+    b.ok(&format!("connect 0 {ea}"));
+    (a, b)
+}
+
+/// Once every session is gone on both hosts, each daemon's objects are back at `before`.
+async fn assert_both_back(
+    bus: &PrivateBus,
+    before_here: &HashMap<String, u64>,
+    peer_rdmad: &PeerRdmad,
+    before_there: &HashMap<String, u64>,
+) {
+    wait_for_sessions(bus, 0).await;
+    let after_here = object_counts(bus).await;
+    let after_there = peer_rdmad.settled(0);
+    for kind in ["qps", "cqs", "mws", "mrs", "regions", "sessions"] {
+        assert_eq!(
+            after_here[kind], before_here[kind],
+            "here {kind}: {after_here:?}"
+        );
+        assert_eq!(
+            after_there[kind], before_there[kind],
+            "peer {kind}: {after_there:?}"
+        );
+    }
 }
 
 /// rdmad to rdmad: a client of this host's rdmad and one of the peer's, each as `nobody`,
@@ -284,16 +313,7 @@ async fn rxe_rdmad_clients_on_two_hosts_move_data() {
     let (bus, _daemon) = start_on("verbs", "").await;
     let before_here = object_counts(&bus).await;
     {
-        let mut a = Client::start(&bus, Some(NOBODY));
-        let mut b = Client::on_peer(&peer_rdmad, Some(NOBODY));
-        for c in [&mut a, &mut b] {
-            c.ok("open");
-            c.ok("alloc default 1048576");
-            c.ok("qp rxe0 64 64");
-        }
-        let (ea, eb) = (a.ok("endpoint 0"), b.ok("endpoint 0"));
-        a.ok(&format!("connect 0 {eb}"));
-        b.ok(&format!("connect 0 {ea}"));
+        let (mut a, mut b) = connected_across(&bus, &peer_rdmad);
 
         // SEND / RECV, then with immediate data.
         b.ok("post 0 recv 0 100 64 1");
@@ -372,19 +392,7 @@ async fn rxe_rdmad_clients_on_two_hosts_move_data() {
         );
         assert_eq!(b.ok("read 0 0 9"), "untouched");
     }
-    wait_for_sessions(&bus, 0).await;
-    let after_here = object_counts(&bus).await;
-    let after_there = peer_rdmad.settled(0);
-    for kind in ["qps", "cqs", "mws", "mrs", "regions", "sessions"] {
-        assert_eq!(
-            after_here[kind], before_here[kind],
-            "here {kind}: {after_here:?}"
-        );
-        assert_eq!(
-            after_there[kind], before_there[kind],
-            "peer {kind}: {after_there:?}"
-        );
-    }
+    assert_both_back(&bus, &before_here, &peer_rdmad, &before_there).await;
 }
 
 /// The peer's client killed in the middle of a stream of 1 MiB WRITEs into its export:
@@ -400,16 +408,7 @@ async fn rxe_a_peer_killed_mid_transfer_fails_the_writer_cleanly() {
     let (bus, _daemon) = start_on("verbs", "").await;
     let before_here = object_counts(&bus).await;
     {
-        let mut a = Client::start(&bus, Some(NOBODY));
-        let mut b = Client::on_peer(&peer_rdmad, Some(NOBODY));
-        for c in [&mut a, &mut b] {
-            c.ok("open");
-            c.ok("alloc default 1048576");
-            c.ok("qp rxe0 64 64");
-        }
-        let (ea, eb) = (a.ok("endpoint 0"), b.ok("endpoint 0"));
-        a.ok(&format!("connect 0 {eb}"));
-        b.ok(&format!("connect 0 {ea}"));
+        let (mut a, mut b) = connected_across(&bus, &peer_rdmad);
         let export = b.ok("export 0 0 w");
         let (addr, rkey) = (export[0].as_u64().unwrap(), export[1].as_u64().unwrap());
         // The first WRITE lands: the stream is under way when the peer dies.
@@ -426,17 +425,5 @@ async fn rxe_a_peer_killed_mid_transfer_fails_the_writer_cleanly() {
         // The writer's daemon still serves it.
         assert_eq!(a.ok("qps").as_array().map(Vec::len), Some(1));
     }
-    wait_for_sessions(&bus, 0).await;
-    let after_here = object_counts(&bus).await;
-    let after_there = peer_rdmad.settled(0);
-    for kind in ["qps", "cqs", "mws", "mrs", "regions", "sessions"] {
-        assert_eq!(
-            after_here[kind], before_here[kind],
-            "here {kind}: {after_here:?}"
-        );
-        assert_eq!(
-            after_there[kind], before_there[kind],
-            "peer {kind}: {after_there:?}"
-        );
-    }
+    assert_both_back(&bus, &before_here, &peer_rdmad, &before_there).await;
 }
