@@ -27,6 +27,10 @@ pub enum Error {
     NotSupported(String),
     /// The device failed the operation.
     DeviceError(String),
+    /// A connection by address failed: the peer rejected it (the message has its reason
+    /// and what it said), nothing listens there, or the peer could not be reached or did
+    /// not answer in time.
+    ConnectionFailed(String),
 }
 
 impl Error {
@@ -50,6 +54,7 @@ impl Error {
             Error::PoolExhausted(_) => "PoolExhausted",
             Error::NotSupported(_) => "NotSupported",
             Error::DeviceError(_) => "DeviceError",
+            Error::ConnectionFailed(_) => "ConnectionFailed",
         }
     }
 
@@ -62,7 +67,8 @@ impl Error {
             | Error::InvalidArgument(m)
             | Error::PoolExhausted(m)
             | Error::NotSupported(m)
-            | Error::DeviceError(m) => m.clone(),
+            | Error::DeviceError(m)
+            | Error::ConnectionFailed(m) => m.clone(),
             _ if self.is_daemon_absent() => format!(
                 "rdmad is not running: nothing owns {BUS_NAME} on this bus (start it: \
                  systemctl start rdmad); whatever an earlier instance lent is gone"

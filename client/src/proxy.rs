@@ -4,7 +4,7 @@
 use std::collections::HashMap;
 use zbus::proxy;
 
-use zbus::zvariant::{OwnedFd, OwnedObjectPath, Value};
+use zbus::zvariant::{OwnedFd, OwnedObjectPath, OwnedValue, Value};
 
 use crate::error::Error;
 use crate::types::{
@@ -117,6 +117,38 @@ pub trait Session {
         device: &str,
         options: Options<'_>,
     ) -> Result<(OwnedObjectPath, OwnedFd, OwnedFd, OwnedFd, RingInfo), Error>;
+    /// Listens for connections by address (rdma_cm) on `address` (empty: any) and `port`:
+    /// options as `create_queue_pair`'s for the queue pairs `accept` makes, `backlog`
+    /// (`u`), `private_data` (`ay`) for every accept. Returns the listener's number and
+    /// the address and port it listens on.
+    fn listen(
+        &self,
+        address: &str,
+        port: u16,
+        options: Options<'_>,
+    ) -> Result<(u64, String, u16), Error>;
+    /// Waits for the next connection request on `listener` and accepts it with a new
+    /// queue pair (option `timeout_ms`): what `create_queue_pair` returns, and the
+    /// connection (`address`, `port`, `local_address`, `local_port`, `qp_num`,
+    /// `private_data`).
+    #[allow(clippy::type_complexity)]
+    fn accept(
+        &self,
+        listener: u64,
+        options: Options<'_>,
+    ) -> Result<
+        (
+            OwnedObjectPath,
+            OwnedFd,
+            OwnedFd,
+            OwnedFd,
+            RingInfo,
+            HashMap<String, OwnedValue>,
+        ),
+        Error,
+    >;
+    /// Stops a listener; requests still waiting are rejected.
+    fn stop_listening(&self, listener: u64) -> Result<(), Error>;
     fn get_info(&self) -> Result<SessionInfo, Error>;
 }
 
@@ -126,6 +158,15 @@ pub trait QueuePair {
     fn endpoint(&self) -> Result<Endpoint, Error>;
     /// Connects to a peer's endpoint.
     fn connect(&self, remote: &Endpoint, options: Options<'_>) -> Result<(), Error>;
+    /// Connects by address through rdma_cm to whoever listens on `address` and `port`
+    /// (options `private_data`, `source`, `timeout_ms`); returns the connection as
+    /// `Session.Accept` describes it.
+    fn connect_to(
+        &self,
+        address: &str,
+        port: u16,
+        options: Options<'_>,
+    ) -> Result<HashMap<String, OwnedValue>, Error>;
     /// Moves a queue pair connected with `{"state": "rtr"}` to RTS (option `psn`).
     fn ready(&self, options: Options<'_>) -> Result<(), Error>;
     /// Moves the queue pair to the error state: what it holds completes flushed.

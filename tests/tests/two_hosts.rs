@@ -427,3 +427,149 @@ async fn rxe_a_peer_killed_mid_transfer_fails_the_writer_cleanly() {
     }
     assert_both_back(&bus, &before_here, &peer_rdmad, &before_there).await;
 }
+
+/// Waits until an rdma_cm listener on `port` shows in `rdma resource show cm_id` on the
+/// peer (rdma_cm listeners are not TCP sockets).
+fn wait_for_cm_listener(peer: &Peer, port: u16) {
+    let deadline = std::time::Instant::now() + rdmad_tests::TIMEOUT;
+    loop {
+        let out = peer.run(None, &["rdma", "resource", "show", "cm_id"], &[]);
+        if out
+            .stdout
+            .lines()
+            .any(|l| l.contains("LISTEN") && l.contains(&format!(":{port} ")))
+        {
+            return;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "no rdma_cm listener on the peer's port {port}: {out:?}"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(100));
+    }
+}
+
+/// Ten 100-byte messages each way on client `c`'s queue pair `q` (region 0), as
+/// `ucmatose` exchanges them: receives first, then the sends, then all twenty completions.
+fn ucmatose_exchange(c: &mut Client, q: usize) {
+    for i in 0..10 {
+        c.ok(&format!(
+            "post {q} recv 0 {} 100 {}",
+            4096 + i * 128,
+            100 + i
+        ));
+    }
+    c.ok("write 0 0 rdmad-says-hello");
+    for i in 0..10 {
+        c.ok(&format!("post {q} send 0 0 100 {}", 200 + i));
+    }
+    let (mut sends, mut recvs) = (0, 0);
+    for _ in 0..20 {
+        let got = c.ok(&format!("wait {q}"));
+        assert_eq!(got["status"], "Success", "{got}");
+        match got["opcode"].as_str() {
+            Some("Send") => sends += 1,
+            Some("Recv") => {
+                assert_eq!(got["byte_len"], 100, "{got}");
+                recvs += 1
+            }
+            _ => panic!("unexpected completion {got}"),
+        }
+    }
+    assert_eq!((sends, recvs), (10, 10));
+}
+
+/// Connections by address through rdma_cm, with `ucmatose` (librdmacm's example, which
+/// never heard of rdmad) on the peer's own device: an rdmad client connects to a
+/// `ucmatose` server and exchanges its messages; `ucmatose` as a client connects to an
+/// rdmad listener and does the same; past the listening user's queue pair quota the next
+/// `ucmatose` is rejected and hears why; a port nobody listens on is named as such; a
+/// low port needs a grant. Both ucmatose runs end cleanly (rdmad disconnects when its
+/// queue pair goes), and rdmad ends with nothing of them.
+#[tokio::test(flavor = "multi_thread")]
+async fn rxe_connections_by_address_with_rdma_cm_programs() {
+    let _alone = rdmad_tests::ALONE.lock().await;
+    let peer = peer();
+    let (bus, _daemon) = start_on("verbs", "[quota.default]\nqps = 1\n").await;
+    let before = object_counts(&bus).await;
+    {
+        // rdmad connects to ucmatose.
+        let server = peer.spawn(None, &["ucmatose", "-p", "7471"], &[]);
+        wait_for_cm_listener(&peer, 7471);
+        let mut a = Client::start(&bus, Some(NOBODY));
+        a.ok("open");
+        a.ok("alloc default 65536");
+        a.ok("qp rxe0 16 16");
+        let conn = a.ok(&format!("connect-to 0 {} 7471", peer.address));
+        assert_eq!(conn["address"], peer.address.as_str(), "{conn}");
+        assert_eq!(conn["port"], 7471, "{conn}");
+        ucmatose_exchange(&mut a, 0);
+        let info = a.ok("qpinfo 0");
+        assert!(
+            info["peer"]
+                .as_str()
+                .unwrap_or_default()
+                .starts_with(&format!("{}:7471 ", peer.address)),
+            "rdmactl shows the peer's address: {info}"
+        );
+        a.ok("destroy 0");
+        let out = server.wait();
+        assert!(out.success(), "ucmatose server: {out:?}");
+
+        // A port nobody listens on.
+        a.ok("qp rxe0 16 16");
+        let why = a.err(
+            &format!("connect-to 1 {} 7472", peer.address),
+            "org.rdmad1.Error.ConnectionFailed",
+        );
+        assert!(why.contains("nothing listens"), "{why}");
+        a.ok("destroy 1");
+
+        // A low port needs a grant.
+        let why = a.err(
+            &format!("listen {} 80", peer.own_address),
+            "org.rdmad1.Error.NotAuthorized",
+        );
+        assert!(
+            why.contains("port 80") && why.contains("listen.grant"),
+            "{why}"
+        );
+
+        // ucmatose connects to rdmad.
+        let listening = a.ok(&format!("listen {} 7480 2", peer.own_address));
+        let listener = listening[0].as_u64().unwrap();
+        let client = peer.spawn(
+            None,
+            &["ucmatose", "-s", &peer.own_address, "-p", "7480"],
+            &[],
+        );
+        let accepted = a.ok(&format!("accept {listener}"));
+        assert_eq!(accepted[1]["address"], peer.address.as_str(), "{accepted}");
+        ucmatose_exchange(&mut a, 2);
+        // The quota holds one queue pair: the next request is refused, and says so.
+        let second = peer.spawn(
+            None,
+            &["ucmatose", "-s", &peer.own_address, "-p", "7480"],
+            &[],
+        );
+        let quota = a.err(
+            &format!("accept {listener} 20000"),
+            "org.rdmad1.Error.QuotaExceeded",
+        );
+        assert!(quota.contains("qps"), "{quota}");
+        let refused = second.wait();
+        assert!(
+            !refused.success() && refused.stdout.contains("REJECTED"),
+            "the second ucmatose should be rejected: {refused:?}"
+        );
+        a.ok("destroy 2");
+        let out = client.wait();
+        assert!(out.success(), "ucmatose client: {out:?}");
+        a.ok(&format!("stop-listening {listener}"));
+    }
+    wait_for_sessions(&bus, 0).await;
+    let after = object_counts(&bus).await;
+    for kind in ["qps", "cqs", "mrs", "regions", "sessions"] {
+        assert_eq!(after[kind], before[kind], "{kind}: {before:?} -> {after:?}");
+    }
+}

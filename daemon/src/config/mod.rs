@@ -8,10 +8,12 @@ use std::path::{Path, PathBuf};
 
 use serde::Deserialize;
 
+mod listen;
 mod pool;
 mod quota;
 mod size;
 
+pub use listen::{parse_ports, ListenConfig, ListenGrant};
 pub use pool::{PoolConfig, HUGEPAGE, PAGE};
 pub use quota::{QuotaKind, QuotaLimits, QuotaSection};
 pub use size::ByteSize;
@@ -32,6 +34,9 @@ pub struct Config {
     pub pools: Vec<PoolConfig>,
     #[serde(default)]
     pub quota: QuotaSection,
+    /// Who may listen on which ports for connections by address.
+    #[serde(default)]
+    pub listen: ListenConfig,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
@@ -387,6 +392,7 @@ impl Config {
                 }
             }
         }
+        self.listen.validate()?;
         self.quota.validate()
     }
 

@@ -46,6 +46,8 @@ pub struct Context {
     pub engine: Arc<Engine>,
     pub callers: CallerCache,
     pub reloader: Reloader,
+    /// Each user's turns for connecting by address.
+    pub connecting: super::addressing::ConnectTurns,
 }
 
 impl Context {

@@ -41,6 +41,7 @@ pub fn provider_error(e: ProviderError) -> Error {
     match e {
         ProviderError::NotSupported { .. } => Error::NotSupported(message),
         ProviderError::InvalidArgument { .. } => Error::InvalidArgument(message),
+        ProviderError::Connection { .. } => Error::ConnectionFailed(message),
         ProviderError::NoDevices(_) | ProviderError::Os { .. } => Error::DeviceError(message),
     }
 }

@@ -2,6 +2,7 @@
 //! Arguments are parsed and validated here, the caller's identity comes from the bus, and
 //! engine errors become `org.rdmad1.Error.*` replies in one place (`error.rs`).
 
+mod addressing;
 mod caller;
 mod context;
 mod device;
@@ -91,6 +92,7 @@ pub async fn serve(
         engine: Arc::clone(&engine),
         callers: caller::CallerCache::default(),
         reloader,
+        connecting: addressing::ConnectTurns::default(),
     });
     let mut builder = builder
         .map_err(connect_error)?

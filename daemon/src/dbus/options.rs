@@ -43,6 +43,23 @@ impl<'a> Options<'a> {
         }
     }
 
+    /// A byte array (`ay`), or a string taken as its UTF-8 bytes.
+    pub fn bytes(&self, key: &str) -> Result<Option<Vec<u8>>, Error> {
+        match self.map.get(key).map(|v| &**v) {
+            None => Ok(None),
+            Some(Value::Str(s)) => Ok(Some(s.as_bytes().to_vec())),
+            Some(Value::Array(a)) => a
+                .iter()
+                .map(|v| match v {
+                    Value::U8(b) => Ok(*b),
+                    _ => Err(self.wrong_type(key, "bytes (ay) or a string (s)")),
+                })
+                .collect::<Result<Vec<u8>, Error>>()
+                .map(Some),
+            Some(_) => Err(self.wrong_type(key, "bytes (ay) or a string (s)")),
+        }
+    }
+
     /// An unsigned integer of any D-Bus width.
     pub fn unsigned(&self, key: &str) -> Result<Option<u64>, Error> {
         match self.map.get(key).map(|v| &**v) {

@@ -2,8 +2,9 @@
 //! the session may use it.
 
 use std::collections::HashMap;
-use std::net::Ipv6Addr;
+use std::net::{Ipv6Addr, SocketAddr};
 use std::sync::Arc;
+use std::time::Duration;
 
 use rdmad_client::names::{qp_path, session_path};
 use rdmad_client::types::{Endpoint, QueuePairInfo};
@@ -13,6 +14,7 @@ use zbus::object_server::ObjectServer;
 use zbus::zvariant::OwnedValue;
 use zbus::{interface, Connection};
 
+use super::addressing;
 use super::context::Context;
 use super::options::Options;
 use super::wire;
@@ -52,9 +54,11 @@ pub fn info(q: &QpInfo) -> QueuePairInfo {
         qp_num: q.qp_num,
         send_depth: q.send_depth,
         recv_depth: q.recv_depth,
-        peer: q
-            .peer
-            .map_or(String::new(), |(gid, qp_num)| format!("{gid}/{qp_num}")),
+        peer: match (q.peer, q.peer_address) {
+            (Some((gid, qp_num)), Some(addr)) => format!("{addr} {gid}/{qp_num}"),
+            (Some((gid, qp_num)), None) => format!("{gid}/{qp_num}"),
+            _ => String::new(),
+        },
         posted: q.posted,
         completed: q.completed,
         failed: q.failed,
@@ -150,6 +154,60 @@ impl QueuePairObject {
             .await??;
         tracing::info!(qp = %self.id, peer = %remote.gid, peer_qpn = remote.qp_num, "queue pair connected");
         Ok(())
+    }
+
+    /// Connects to whoever listens on `address` and `port` through rdma_cm (a plain
+    /// rdma_cm program on another host, or another rdmad's `Listen`): resolves the address
+    /// and route, sends a connection request, and on the peer's accept moves the queue
+    /// pair (still in RESET) to RTS with the path rdma_cm chose. Options: `private_data`
+    /// (`ay`, at most 56 bytes) for the request; `source` (`s`): the local address to
+    /// connect from; `timeout_ms` (`u`, default 10000). Returns the connection: `address`,
+    /// `port`, `local_address`, `local_port`, the peer's `qp_num` and the `private_data`
+    /// of its accept. Fails with `ConnectionFailed` saying why (rejected with the peer's
+    /// reason and words, nothing listening, unreachable, no answer). Destroying the queue
+    /// pair disconnects; a disconnect by the peer moves it to the error state.
+    async fn connect_to(
+        &self,
+        address: &str,
+        port: u16,
+        options: HashMap<String, OwnedValue>,
+        #[zbus(header)] header: Header<'_>,
+        #[zbus(connection)] connection: &Connection,
+    ) -> Result<HashMap<String, OwnedValue>, Error> {
+        let opts = Options::new(
+            "ConnectTo",
+            &options,
+            &["private_data", "source", "timeout_ms"],
+        )?;
+        let private_data = opts.bytes("private_data")?.unwrap_or_default();
+        let wait = addressing::timeout("ConnectTo", &opts, Duration::from_secs(10))?;
+        let ip = addressing::ip("ConnectTo", "address", address)?.ok_or_else(|| {
+            Error::InvalidArgument("ConnectTo: name the address to connect to".into())
+        })?;
+        if port == 0 {
+            return Err(Error::InvalidArgument(
+                "ConnectTo: port 0: name the port the peer listens on".into(),
+            ));
+        }
+        let source = match opts.string("source")? {
+            Some(text) => {
+                addressing::ip("ConnectTo", "source", &text)?.map(|ip| SocketAddr::new(ip, 0))
+            }
+            None => None,
+        };
+        let caller = self.ctx.caller(connection, &header).await?;
+        // Someone else's queue pair is refused before anything is sent.
+        self.ctx.engine.qp_endpoint(&caller.owner(), self.id)?;
+        let turn = self.ctx.connecting.take(caller.uid).await?;
+        let id = self.id;
+        let to = SocketAddr::new(ip, port);
+        let connected = self
+            .ctx
+            .blocking(move |e| e.connect_to(&caller.owner(), id, to, source, private_data, wait))
+            .await??;
+        drop(turn);
+        tracing::info!(qp = %self.id, peer = %to, peer_qpn = connected.peer_qp_num, "queue pair connected by address");
+        addressing::describe(&connected)
     }
 
     /// Moves a queue pair connected with `{"state": "rtr"}` to RTS: option `psn` (`u`), the

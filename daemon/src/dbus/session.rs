@@ -2,31 +2,87 @@
 //! opened a session may use it; its user (or an administrator) may look at it and close it.
 
 use std::collections::HashMap;
-use std::sync::Arc;
+use std::net::{IpAddr, Ipv6Addr, SocketAddr};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
 
 use rdmad_client::names::region_path;
 use rdmad_client::types::{RingInfo, SessionInfo};
 use rdmad_client::Error;
+use tokio::sync::Notify;
 use zbus::message::Header;
 use zbus::object_server::ObjectServer;
 use zbus::zvariant::{OwnedFd, OwnedObjectPath, OwnedValue};
 use zbus::{interface, Connection};
 
+use super::addressing;
 use super::context::Context;
 use super::options::Options;
 use super::wire;
-use crate::engine::{QpOptions, SessionId};
+use crate::engine::{ListenOptions, ListenerId, QpOptions, SessionId};
 use crate::policy;
 
 pub struct SessionObject {
     ctx: Arc<Context>,
     id: SessionId,
+    /// The session's listeners, each with what wakes an `Accept` waiting on it.
+    listeners: Mutex<HashMap<u64, Arc<Notify>>>,
 }
 
 impl SessionObject {
     pub fn new(ctx: Arc<Context>, id: SessionId) -> SessionObject {
-        SessionObject { ctx, id }
+        SessionObject {
+            ctx,
+            id,
+            listeners: Mutex::new(HashMap::new()),
+        }
     }
+
+    fn listener(&self, id: u64) -> Result<Arc<Notify>, Error> {
+        self.listeners
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .get(&id)
+            .cloned()
+            .ok_or_else(|| Error::NoSuchObject(format!("listener {id} (of session {})", self.id)))
+    }
+}
+
+/// The queue pair options `CreateQueuePair` and `Listen` take.
+const QP_OPTIONS: [&str; 5] = [
+    "send_depth",
+    "recv_depth",
+    "max_sge",
+    "max_inline",
+    "domain",
+];
+
+fn qp_options(method: &str, opts: &Options<'_>) -> Result<QpOptions, Error> {
+    let mut qp_options = QpOptions::default();
+    let narrow = |key: &str, value: u64| {
+        u32::try_from(value)
+            .map_err(|_| Error::InvalidArgument(format!("{method}: {key} {value} is too large")))
+    };
+    for (key, slot) in [
+        ("send_depth", &mut qp_options.send_depth),
+        ("recv_depth", &mut qp_options.recv_depth),
+        ("max_sge", &mut qp_options.max_sge),
+        ("max_inline", &mut qp_options.max_inline),
+    ] {
+        if let Some(v) = opts.unsigned(key)? {
+            *slot = narrow(key, v)?;
+        }
+    }
+    if let Some(domain) = opts.unsigned("domain")? {
+        qp_options.domain = Some(u32::try_from(domain).ok().filter(|d| *d > 0).ok_or_else(
+            || {
+                Error::InvalidArgument(format!(
+                    "{method}: domain {domain} is not a number from 1 to 2^32-1"
+                ))
+            },
+        )?);
+    }
+    Ok(qp_options)
 }
 
 #[interface(name = "org.rdmad1.Session")]
@@ -144,42 +200,8 @@ impl SessionObject {
         #[zbus(connection)] connection: &Connection,
         #[zbus(object_server)] server: &ObjectServer,
     ) -> Result<(OwnedObjectPath, OwnedFd, OwnedFd, OwnedFd, RingInfo), Error> {
-        let opts = Options::new(
-            "CreateQueuePair",
-            &options,
-            &[
-                "send_depth",
-                "recv_depth",
-                "max_sge",
-                "max_inline",
-                "domain",
-            ],
-        )?;
-        let mut qp_options = QpOptions::default();
-        let narrow = |key: &str, value: u64| {
-            u32::try_from(value).map_err(|_| {
-                Error::InvalidArgument(format!("CreateQueuePair: {key} {value} is too large"))
-            })
-        };
-        for (key, slot) in [
-            ("send_depth", &mut qp_options.send_depth),
-            ("recv_depth", &mut qp_options.recv_depth),
-            ("max_sge", &mut qp_options.max_sge),
-            ("max_inline", &mut qp_options.max_inline),
-        ] {
-            if let Some(v) = opts.unsigned(key)? {
-                *slot = narrow(key, v)?;
-            }
-        }
-        if let Some(domain) = opts.unsigned("domain")? {
-            qp_options.domain = Some(u32::try_from(domain).ok().filter(|d| *d > 0).ok_or_else(
-                || {
-                    Error::InvalidArgument(format!(
-                        "CreateQueuePair: domain {domain} is not a number from 1 to 2^32-1"
-                    ))
-                },
-            )?);
-        }
+        let opts = Options::new("CreateQueuePair", &options, &QP_OPTIONS)?;
+        let qp_options = qp_options("CreateQueuePair", &opts)?;
         let caller = self.ctx.caller(connection, &header).await?;
         let (session, creating, on, config) = (
             self.id,
@@ -214,6 +236,164 @@ impl SessionObject {
                 cq_entries: q.cq_entries,
             },
         ))
+    }
+
+    /// Listens for connections by address through rdma_cm on `address` (empty: every
+    /// address of the host's RDMA devices) and `port`, if the configuration lets the
+    /// caller listen there (`[listen]`). Options: the queue pair options of
+    /// `CreateQueuePair` for the queue pairs `Accept` makes; `backlog` (`u`, default 8, at
+    /// most 64): requests held for `Accept` (later ones are rejected at once);
+    /// `private_data` (`ay`, at most 196 bytes): sent with every accept. Returns the
+    /// listener's number and the address and port it listens on. The listener ends with
+    /// `StopListening` or the session.
+    async fn listen(
+        &self,
+        address: &str,
+        port: u16,
+        options: HashMap<String, OwnedValue>,
+        #[zbus(header)] header: Header<'_>,
+        #[zbus(connection)] connection: &Connection,
+    ) -> Result<(u64, String, u16), Error> {
+        let known: Vec<&str> = QP_OPTIONS
+            .iter()
+            .copied()
+            .chain(["backlog", "private_data"])
+            .collect();
+        let opts = Options::new("Listen", &options, &known)?;
+        let qp = qp_options("Listen", &opts)?;
+        let backlog = match opts.unsigned("backlog")? {
+            None => 8,
+            Some(n) => u32::try_from(n).unwrap_or(u32::MAX),
+        };
+        let private_data = opts.bytes("private_data")?.unwrap_or_default();
+        let ip = addressing::ip("Listen", "address", address)?
+            .unwrap_or(IpAddr::V6(Ipv6Addr::UNSPECIFIED));
+        if port == 0 {
+            return Err(Error::InvalidArgument(
+                "Listen: port 0: name the port to listen on".into(),
+            ));
+        }
+        let caller = self.ctx.caller(connection, &header).await?;
+        policy::may_listen(&caller, &self.ctx.config(), port).map_err(Error::NotAuthorized)?;
+        let wake = Arc::new(Notify::new());
+        let waker = {
+            let wake = Arc::clone(&wake);
+            Arc::new(move || wake.notify_one())
+        };
+        let session = self.id;
+        let owner = caller.owner();
+        let (id, bound) = self
+            .ctx
+            .blocking(move |e| {
+                e.listen(
+                    &owner,
+                    session,
+                    SocketAddr::new(ip, port),
+                    ListenOptions {
+                        qp,
+                        backlog,
+                        private_data,
+                    },
+                    waker,
+                )
+            })
+            .await??;
+        self.listeners
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(id.0, wake);
+        tracing::info!(session = %self.id, listener = %id, address = %bound, uid = caller.uid, "listening");
+        Ok((id.0, bound.ip().to_string(), bound.port()))
+    }
+
+    /// Waits for the next connection request on `listener`, then makes a queue pair for
+    /// it in this session (within the quotas: past them the peer is rejected with the
+    /// reason, and so is this call), connects it and accepts. Option `timeout_ms` (`u`,
+    /// default 20000, at most 600000). Returns what `CreateQueuePair` returns, and the
+    /// connection: `address`, `port` (the peer's), `local_address`, `local_port`,
+    /// `qp_num` (the peer's) and `private_data` (the peer's request's).
+    #[allow(clippy::type_complexity)]
+    async fn accept(
+        &self,
+        listener: u64,
+        options: HashMap<String, OwnedValue>,
+        #[zbus(header)] header: Header<'_>,
+        #[zbus(connection)] connection: &Connection,
+        #[zbus(object_server)] server: &ObjectServer,
+    ) -> Result<
+        (
+            OwnedObjectPath,
+            OwnedFd,
+            OwnedFd,
+            OwnedFd,
+            RingInfo,
+            HashMap<String, OwnedValue>,
+        ),
+        Error,
+    > {
+        let opts = Options::new("Accept", &options, &["timeout_ms"])?;
+        let wait = addressing::timeout("Accept", &opts, Duration::from_secs(20))?;
+        let wake = self.listener(listener)?;
+        let caller = self.ctx.caller(connection, &header).await?;
+        let deadline = tokio::time::Instant::now() + wait;
+        let (q, connected) = loop {
+            let woken = wake.notified();
+            let turn = self.ctx.connecting.take(caller.uid).await?;
+            let (accepting, config) = (caller.clone(), self.ctx.config());
+            let taken = self
+                .ctx
+                .blocking(move |e| {
+                    let limits = policy::limits(&accepting, &config);
+                    e.accept(&accepting.owner(), &limits, ListenerId(listener))
+                })
+                .await??;
+            drop(turn);
+            if let Some(done) = taken {
+                break done;
+            }
+            if tokio::time::timeout_at(deadline, woken).await.is_err() {
+                return Err(Error::ConnectionFailed(format!(
+                    "Accept: no connection request came to listener {listener} within {} ms",
+                    wait.as_millis()
+                )));
+            }
+        };
+        let id = q.id;
+        self.ctx.publish_qp(server, &caller, id).await?;
+        tracing::info!(session = %self.id, qp = %id, qpn = q.qp_num, peer = ?connected.peer, listener, "connection accepted");
+        Ok((
+            wire::path(rdmad_client::names::qp_path(id.0)),
+            OwnedFd::from(q.ring),
+            OwnedFd::from(q.doorbell),
+            OwnedFd::from(q.completion),
+            RingInfo {
+                size: q.ring_size,
+                sq_entries: q.sq_entries,
+                cq_entries: q.cq_entries,
+            },
+            addressing::describe(&connected)?,
+        ))
+    }
+
+    /// Stops `listener`: requests still waiting for `Accept` are rejected; connections
+    /// already accepted stay.
+    async fn stop_listening(
+        &self,
+        listener: u64,
+        #[zbus(header)] header: Header<'_>,
+        #[zbus(connection)] connection: &Connection,
+    ) -> Result<(), Error> {
+        self.listener(listener)?;
+        let caller = self.ctx.caller(connection, &header).await?;
+        self.ctx
+            .blocking(move |e| e.stop_listening(&caller.owner(), ListenerId(listener)))
+            .await??;
+        self.listeners
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .remove(&listener);
+        tracing::info!(session = %self.id, listener, "stopped listening");
+        Ok(())
     }
 
     async fn get_info(

@@ -46,4 +46,6 @@ id!(
     RegistrationId,
     /// A protection domain of a session's own, unique in the daemon's life.
     DomainId,
+    /// A session's listener for connections by address (`Session.Listen`).
+    ListenerId,
 );

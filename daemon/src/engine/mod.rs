@@ -4,6 +4,7 @@
 //! a [`Scope`], [`PoolAccess`]); the providers are called out to. No zbus types and no
 //! bus callers here. Its submodules are private: what it offers is what this file exports.
 
+mod connections;
 mod datapath;
 mod devices;
 mod error;
@@ -37,6 +38,7 @@ pub use crate::provider::{
     Access, DeviceAttributes, GidEntry, Lingering, ObjectCounts, PortAttributes, ProviderError,
     QpState, RemoteEndpoint, Span,
 };
+pub use connections::{Connected, ListenOptions, ListenerId, MAX_BACKLOG};
 pub use devices::DeviceSelection;
 pub use error::EngineError;
 pub use pool::{PoolError, PoolStats, REGION_ACCESS};
@@ -74,6 +76,8 @@ pub struct Engine {
     config_path: PathBuf,
     started: SystemTime,
     reloads: AtomicU32,
+    /// Sessions' listeners for connections by address.
+    listeners: connections::Listeners,
 }
 
 impl Engine {
@@ -128,6 +132,7 @@ impl Engine {
             config_path,
             started: SystemTime::now(),
             reloads: AtomicU32::new(0),
+            listeners: connections::Listeners::default(),
         };
         Ok(engine)
     }
@@ -290,6 +295,7 @@ impl Engine {
         self.registry.settle(settlements);
         self.retry_lingering();
         drop(releasing);
+        self.listeners.close_sessions(&removed.sessions);
         removed
     }
 

@@ -147,6 +147,11 @@ pub struct QueuePairRecord {
     // destroying a QP with a valid type-2 window), then its CQ.
     /// Memory windows bound through this QP for peers, by export id.
     pub exports: Mutex<BTreeMap<ExportId, Export>>,
+    /// The rdma_cm connection the QP was connected through (`ConnectTo`, `Accept`):
+    /// dropped before the QP, which disconnects it.
+    pub link: Mutex<Option<super::connections::CmLink>>,
+    /// A `ConnectTo` is under way.
+    pub connecting: std::sync::atomic::AtomicBool,
     pub qp: Arc<dyn QueuePair>,
     pub cq: Arc<dyn CompletionQueue>,
     /// Submission and completion rings (see `rdmad_client::ring`).
@@ -256,6 +261,8 @@ pub fn create(
         options,
         domain: domain.map(|(number, id, _)| (number, id)),
         exports: Mutex::new(BTreeMap::new()),
+        link: Mutex::new(None),
+        connecting: std::sync::atomic::AtomicBool::new(false),
         qp,
         cq,
         ring: Arc::new(ring),

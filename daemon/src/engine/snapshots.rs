@@ -27,6 +27,8 @@ pub struct QpInfo {
     pub recv_depth: u32,
     /// The peer's GID and QPN, once connected.
     pub peer: Option<(std::net::Ipv6Addr, u32)>,
+    /// The peer's IP address and port, when connected by address (`ConnectTo`, `Accept`).
+    pub peer_address: Option<std::net::SocketAddr>,
     pub posted: u64,
     pub completed: u64,
     pub failed: u64,
@@ -152,6 +154,7 @@ pub(super) fn qp_info(id: QpId, q: &QueuePairRecord) -> QpInfo {
         send_depth: q.options.send_depth,
         recv_depth: q.options.recv_depth,
         peer,
+        peer_address: lock(&q.link).as_ref().and_then(|l| l.peer),
         posted: counter(&q.counters.posted),
         completed: counter(&q.counters.completed),
         failed: counter(&q.counters.failed),

@@ -132,6 +132,28 @@ pub fn pool_admits(pool: &PoolConfig, user: &str, gids: &[u32]) -> bool {
         || pool.groups.iter().any(|g| in_group(g, gids))
 }
 
+/// Whether `caller` may listen for connections by address on `port`: administrators on
+/// any; others on `listen.open_ports` and on the ports a `[[listen.grant]]` gives their
+/// user or one of their groups. The error says which ports are open and how to get more.
+pub fn may_listen(caller: &Caller, config: &Config, port: u16) -> Result<(), String> {
+    let listen = &config.listen;
+    if is_admin(caller, config) || listen.is_open(port) {
+        return Ok(());
+    }
+    let user = quota::user_name(caller.uid);
+    let granted = listen.grants_for(port).any(|g| {
+        g.users.iter().any(|u| *u == user) || g.groups.iter().any(|grp| in_group(grp, &caller.gids))
+    });
+    if granted {
+        return Ok(());
+    }
+    Err(format!(
+        "user {user} may not listen on port {port}: open to every user are {}; an \
+         administrator grants more with a [[listen.grant]] table in the configuration",
+        listen.open_ports.join(", ")
+    ))
+}
+
 /// Fails with a message saying how to get the right, unless `caller` is an administrator.
 pub fn require_admin(caller: &Caller, config: &Config, action: &str) -> Result<(), PolicyError> {
     if is_admin(caller, config) {

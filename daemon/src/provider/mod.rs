@@ -10,6 +10,7 @@
 //! destroyed in the right order whatever order the engine drops them in. Operations a device
 //! lacks answer [`ProviderError::NotSupported`]; nothing here panics on a device's behalf.
 
+pub mod cm;
 #[cfg(test)]
 pub(crate) mod conformance;
 #[cfg(test)]
@@ -74,6 +75,10 @@ pub enum ProviderError {
     /// An argument the device would refuse (bad port, bad access flags, range out of bounds).
     #[error("{device}: {message}")]
     InvalidArgument { device: String, message: String },
+    /// A connection by address failed: the peer refused it, or could not be reached or
+    /// did not answer; the message says which, with what the peer said.
+    #[error("{message}")]
+    Connection { device: String, message: String },
 }
 
 /// A batch post that stopped part-way: the first `posted` requests are on the device (they
@@ -144,6 +149,13 @@ pub trait Device: Send + Sync + fmt::Debug {
     /// Tries again to destroy what the device refused to, windows before registrations;
     /// returns how many objects are still left.
     fn retry_lingering(&self) -> usize;
+    /// The connection manager that connects this device's queue pairs by address.
+    fn connection_manager(&self) -> Result<Arc<dyn cm::ConnectionManager>> {
+        Err(ProviderError::not_supported(
+            self.name(),
+            "connecting by address (rdma_cm needs a kernel RDMA device)",
+        ))
+    }
 }
 
 /// A registration or window the device refused to destroy (`ibv_dereg_mr` fails with

@@ -19,6 +19,11 @@
 //!   session-info PATH | close-session PATH | alloc-in PATH POOL SIZE
 //!   qp DEVICE [SEND_DEPTH [RECV_DEPTH [MAX_INLINE]]] → [qp path, ring size, sq entries, cq entries]
 //!   endpoint N | qpinfo N | destroy N | flush N | connect N ENDPOINT-JSON   (N: index or qp path)
+//!   connect-to N ADDRESS PORT [PRIVATE_DATA] → the connection (address, port, local_address,
+//!                                 local_port, qp_num, private_data as text)
+//!   listen ADDRESS PORT [BACKLOG [PRIVATE_DATA]] → [listener, address, port]
+//!   accept L [TIMEOUT_MS]         → [qp path, connection]: the new QP joins this client's
+//!   stop-listening L              → null
 //!   post Q OP REGION OFFSET LEN WRID [REMOTE_ADDR RKEY [ARG [SWAP]]]
 //!                                 (OP: send recv write read fadd cswap, send:IMM and
 //!                                 write:IMM with immediate data; ARG: fadd's addend
@@ -157,6 +162,32 @@ async fn region<'a>(
     path: &OwnedObjectPath,
 ) -> Result<RegionProxy<'a>, Error> {
     Ok(RegionProxy::builder(c).path(path.clone())?.build().await?)
+}
+
+/// A connection's description as JSON, its private data as text (up to a NUL).
+fn connection_json(d: &std::collections::HashMap<String, zbus::zvariant::OwnedValue>) -> Value {
+    let mut out = serde_json::Map::new();
+    for (key, v) in d {
+        let value = match &**v {
+            ZValue::Str(s) => json!(s.as_str()),
+            ZValue::U16(n) => json!(n),
+            ZValue::U32(n) => json!(n),
+            ZValue::Array(a) => {
+                let bytes: Vec<u8> = a
+                    .iter()
+                    .filter_map(|b| match b {
+                        ZValue::U8(b) => Some(*b),
+                        _ => None,
+                    })
+                    .collect();
+                let end = bytes.iter().position(|&b| b == 0).unwrap_or(bytes.len());
+                json!(String::from_utf8_lossy(&bytes[..end]))
+            }
+            other => json!(format!("{other:?}")),
+        };
+        out.insert(key.clone(), value);
+    }
+    Value::Object(out)
 }
 
 async fn qp_proxy<'a>(c: &zbus::Connection, path: &str) -> Result<QueuePairProxy<'a>, Error> {
@@ -371,6 +402,62 @@ async fn main() {
                             "region-path: unknown {other}"
                         ))),
                     }
+                }
+                "listen" => {
+                    let s = session_proxy(&c, session.as_deref().unwrap_or_default()).await?;
+                    let mut options = Options::new();
+                    if !arg(2).is_empty() {
+                        options.insert("backlog", ZValue::from(num(2) as u32));
+                    }
+                    if !arg(3).is_empty() {
+                        options.insert("private_data", ZValue::from(arg(3).as_bytes().to_vec()));
+                    }
+                    let port = arg(1).parse::<u16>().unwrap_or(0);
+                    s.listen(arg(0), port, options)
+                        .await
+                        .map(|(id, a, p)| json!([id, a, p]))
+                }
+                "stop-listening" => {
+                    let s = session_proxy(&c, session.as_deref().unwrap_or_default()).await?;
+                    s.stop_listening(num(0)).await.map(|()| Value::Null)
+                }
+                "accept" => {
+                    let s = session_proxy(&c, session.as_deref().unwrap_or_default()).await?;
+                    let mut options = Options::new();
+                    if !arg(1).is_empty() {
+                        options.insert("timeout_ms", ZValue::from(num(1) as u32));
+                    }
+                    let (path, ring, doorbell, completion, info, connection) =
+                        s.accept(num(0), options).await?;
+                    qps.push(path.to_string());
+                    let (ring, doorbell, completions): (OwnedFd, OwnedFd, OwnedFd) =
+                        (ring.into(), doorbell.into(), completion.into());
+                    ring_fds.push(RingFds {
+                        ring: ring.try_clone().expect("dup"),
+                        doorbell: doorbell.try_clone().expect("dup"),
+                        completions: completions.try_clone().expect("dup"),
+                    });
+                    rings.push(
+                        QueuePairRing::new(ring, doorbell, completions, info)
+                            .map_err(|e| Error::InvalidArgument(format!("ring: {e}")))?,
+                    );
+                    Ok(json!([path.as_str(), connection_json(&connection)]))
+                }
+                "connect-to" => {
+                    let path = if arg(0).starts_with('/') {
+                        arg(0).to_owned()
+                    } else {
+                        qps[num(0) as usize].clone()
+                    };
+                    let q = qp_proxy(&c, &path).await?;
+                    let mut options = Options::new();
+                    if !arg(3).is_empty() {
+                        options.insert("private_data", ZValue::from(arg(3).as_bytes().to_vec()));
+                    }
+                    let port = arg(2).parse::<u16>().unwrap_or(0);
+                    q.connect_to(arg(1), port, options)
+                        .await
+                        .map(|d| connection_json(&d))
                 }
                 "qp" => {
                     let s = session_proxy(&c, session.as_deref().unwrap_or_default()).await?;

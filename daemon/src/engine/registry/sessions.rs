@@ -167,6 +167,11 @@ impl Registry {
         Some(self.lock().sessions.get(&session)?.rights.load())
     }
 
+    /// Whether `owner`'s connection owns session `id` (the error says why not).
+    pub fn check_own_session(&self, owner: &Owner, id: SessionId) -> Result<(), EngineError> {
+        Self::own_session(&mut self.lock(), owner, id).map(|_| ())
+    }
+
     /// The session, if `owner`'s connection owns it.
     pub(super) fn own_session<'a>(
         s: &'a mut State,

@@ -30,6 +30,7 @@ use rdma_sys::{
     ibv_port_attr, ibv_port_state, ibv_query_device, ibv_query_gid, ibv_reg_mr_iova2,
 };
 
+pub mod cm;
 mod cq;
 mod qp;
 
@@ -498,6 +499,10 @@ impl Device for VerbsDevice {
             }
         });
         list.len()
+    }
+
+    fn connection_manager(&self) -> Result<Arc<dyn super::cm::ConnectionManager>> {
+        cm::connection_manager()
     }
 }
 
