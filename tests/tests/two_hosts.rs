@@ -573,3 +573,123 @@ async fn rxe_connections_by_address_with_rdma_cm_programs() {
         assert_eq!(after[kind], before[kind], "{kind}: {before:?} -> {after:?}");
     }
 }
+
+/// The next `n` completions of client `c`'s queue pair `q`, each a success, by work
+/// request id.
+fn completions(c: &mut Client, q: usize, n: usize) -> HashMap<u64, serde_json::Value> {
+    (0..n)
+        .map(|_| {
+            let got = c.ok(&format!("wait {q}"));
+            assert_eq!(got["status"], "Success", "{got}");
+            (got["wr_id"].as_u64().expect("wr_id"), got)
+        })
+        .collect()
+}
+
+/// `rping` (librdmacm's example that advertises buffers, RDMA READs one and WRITEs the
+/// other back) against rdmad both ways: an rdmad client connects to `rping -s` on the peer
+/// and plays the client's part with an export of its region, then destroys its queue pair
+/// (the server sees the disconnect and ends cleanly); then `rping -c` on the peer connects
+/// to an rdmad listener whose client plays the server's part — READ, WRITE, the "go
+/// ahead" messages — and `rping` checks the data (`-V`). rdmad ends with nothing of them.
+#[tokio::test(flavor = "multi_thread")]
+async fn rxe_rping_talks_to_rdmad_both_ways() {
+    let _alone = rdmad_tests::ALONE.lock().await;
+    let peer = peer();
+    let (bus, _daemon) = start_on("verbs", "").await;
+    let before = object_counts(&bus).await;
+    let text = "rdma-ping-0:ABCDEFGHIJKLMNOPQRSTUVWXYZ";
+    {
+        let mut a = Client::start(&bus, Some(NOBODY));
+        a.ok("open");
+        a.ok("alloc default 65536");
+
+        // rdmad plays rping's client.
+        let server = peer.spawn(
+            None,
+            &["rping", "-s", "-v", "-a", &peer.address, "-p", "7490"],
+            &[],
+        );
+        wait_for_cm_listener(&peer, 7490);
+        a.ok("qp rxe0 16 16");
+        a.ok(&format!("connect-to 0 {} 7490", peer.address));
+        a.ok("post 0 recv 0 4096 16 1");
+        a.ok("post 0 recv 0 4112 16 2");
+        let export = a.ok("export 0 0 rw");
+        let (addr, rkey) = (export[0].as_u64().unwrap(), export[1].as_u64().unwrap());
+        a.ok(&format!("write 0 0 {text}"));
+        a.ok(&format!("rping-adv 0 2048 {addr} {rkey} 64"));
+        a.ok("post 0 send 0 2048 16 10");
+        let got = completions(&mut a, 0, 2);
+        assert!(got.contains_key(&10) && got.contains_key(&1), "{got:?}");
+        a.ok(&format!("rping-adv 0 2064 {} {rkey} 64", addr + 1024));
+        a.ok("post 0 send 0 2064 16 11");
+        let got = completions(&mut a, 0, 2);
+        assert!(got.contains_key(&11) && got.contains_key(&2), "{got:?}");
+        assert_eq!(a.ok(&format!("read 0 1024 {}", text.len())), text);
+        a.ok("destroy 0");
+        let out = server.wait();
+        assert!(out.success(), "rping -s: {out:?}");
+        assert!(
+            out.stdout.contains(&format!("server ping data: {text}")),
+            "{out:?}"
+        );
+
+        // rdmad plays rping's server.
+        let listening = a.ok(&format!("listen {} 7491", peer.own_address));
+        let listener = listening[0].as_u64().unwrap();
+        let client = peer.spawn(
+            None,
+            &[
+                "rping",
+                "-c",
+                "-v",
+                "-V",
+                "-C",
+                "1",
+                "-S",
+                "64",
+                "-a",
+                &peer.own_address,
+                "-p",
+                "7491",
+            ],
+            &[],
+        );
+        a.ok(&format!("accept {listener}"));
+        a.ok("post 1 recv 0 4096 16 20");
+        let got = completions(&mut a, 1, 1);
+        assert_eq!(got[&20]["byte_len"], 16, "{got:?}");
+        let source = a.ok("rping-info 0 4096");
+        a.ok(&format!(
+            "post 1 read 0 1024 {} 21 {} {}",
+            source["size"], source["buf"], source["rkey"]
+        ));
+        completions(&mut a, 1, 1);
+        a.ok("post 1 recv 0 4112 16 22");
+        a.ok("post 1 send 0 2048 16 23");
+        let got = completions(&mut a, 1, 2);
+        assert!(got.contains_key(&22) && got.contains_key(&23), "{got:?}");
+        let sink = a.ok("rping-info 0 4112");
+        let ping = a.ok(&format!("read 0 1024 {}", source["size"]));
+        let ping = ping.as_str().unwrap_or_default();
+        let len = ping.find('\0').unwrap_or(ping.len()) + 1;
+        assert!(ping.starts_with("rdma-ping-0: "), "{ping:?}");
+        a.ok(&format!(
+            "post 1 write 0 1024 {len} 24 {} {}",
+            sink["buf"], sink["rkey"]
+        ));
+        completions(&mut a, 1, 1);
+        a.ok("post 1 send 0 2048 16 25");
+        completions(&mut a, 1, 1);
+        let out = client.wait();
+        assert!(out.success(), "rping -c: {out:?}");
+        assert!(out.stdout.contains("ping data: rdma-ping-0: "), "{out:?}");
+        a.ok(&format!("stop-listening {listener}"));
+    }
+    wait_for_sessions(&bus, 0).await;
+    let after = object_counts(&bus).await;
+    for kind in ["qps", "cqs", "mws", "mrs", "regions", "sessions"] {
+        assert_eq!(after[kind], before[kind], "{kind}: {before:?} -> {after:?}");
+    }
+}

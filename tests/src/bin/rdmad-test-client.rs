@@ -36,6 +36,8 @@
 //!                                 SEND round trips between two of this client's QPs
 //!                                 (connected to each other), through region REGION
 //!   read-u64 N OFFSET | write-u64 N OFFSET VALUE → a little-endian u64 | null
+//!   rping-adv N OFFSET ADDR RKEY SIZE | rping-info N OFFSET → null | {buf, rkey, size}:
+//!                                 rping's buffer advertisement (16 bytes, big-endian)
 //!   stream Q REGION COUNT LEN REMOTE_ADDR RKEY → {bytes, seconds, mb_per_s}: COUNT
 //!                                 LEN-byte RDMA WRITEs, all completed, a queue's worth in
 //!                                 flight
@@ -720,6 +722,33 @@ async fn main() {
                         .write(num(1) as usize, &num(2).to_le_bytes())
                         .expect("write");
                     Ok(Value::Null)
+                }
+                "rping-adv" => {
+                    // rping's `struct rping_rdma_info`: buf, rkey, size, big-endian.
+                    let mut info = Vec::with_capacity(16);
+                    info.extend_from_slice(&num(2).to_be_bytes());
+                    info.extend_from_slice(&(num(3) as u32).to_be_bytes());
+                    info.extend_from_slice(&(num(4) as u32).to_be_bytes());
+                    held[num(0) as usize]
+                        .mapping
+                        .as_ref()
+                        .expect("mapped")
+                        .write(num(1) as usize, &info)
+                        .expect("write");
+                    Ok(Value::Null)
+                }
+                "rping-info" => {
+                    let mut b = [0u8; 16];
+                    held[num(0) as usize]
+                        .mapping
+                        .as_ref()
+                        .expect("mapped")
+                        .read(num(1) as usize, &mut b)
+                        .expect("read");
+                    let word = |r: std::ops::Range<usize>| -> u64 {
+                        b[r].iter().fold(0, |v, &x| (v << 8) | u64::from(x))
+                    };
+                    Ok(json!({"buf": word(0..8), "rkey": word(8..12), "size": word(12..16)}))
                 }
                 "attack-fds" => Ok(attack_fds(&ring_fds[num(0) as usize])),
                 "punch-ring" => Ok(punch_and_truncate(&ring_fds[num(0) as usize].ring)),
