@@ -78,6 +78,20 @@ const fn fault(
 /// The table: every row is checked at start, by `--check-config` and on reload.
 const FAULTS: &[Fault] = &[
     fault(
+        "a listen port range written backwards",
+        Text("[listen]\nopen_ports = [\"2000-1024\"]\n"),
+        2,
+        "listen.open_ports",
+        "\"2000-1024\" is an empty range: write the lower port first",
+    ),
+    fault(
+        "a listen grant for nobody in particular",
+        Text("[[listen.grant]]\nports = [\"80\"]\n"),
+        1,
+        "listen.grant[0]",
+        "a grant names users or groups",
+    ),
+    fault(
         "unknown top-level key (a [daemon] key without its table)",
         Text("# rdmad\nlog_level = \"debug\"\n"),
         2,

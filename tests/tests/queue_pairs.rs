@@ -9,6 +9,76 @@ rdmad::on_both_providers!(async
     queue_pairs_die_with_their_session / rxe_queue_pairs_die_with_their_session,
 );
 
+/// Connecting by address needs the kernel's RDMA connection manager: on `loopback0` both
+/// `ConnectTo` and `Listen` say so, after the checks every device makes — the port policy
+/// (a low port needs a `[[listen.grant]]`), addresses, sizes of private data, options.
+#[tokio::test(flavor = "multi_thread")]
+async fn connecting_by_address_says_what_is_wrong() {
+    use rdmad_tests::client::Client;
+    use rdmad_tests::daemon::start_on;
+    use rdmad_tests::NOBODY;
+
+    let (bus, _d) = start_on("loopback", "").await;
+    let mut a = Client::start(&bus, Some(NOBODY));
+    a.ok("open");
+    a.ok("qp loopback0");
+    let low = a.err("listen 127.0.0.1 80", "org.rdmad1.Error.NotAuthorized");
+    assert!(
+        low.contains("port 80") && low.contains("1024-65535") && low.contains("[[listen.grant]]"),
+        "{low}"
+    );
+    let no_cm = a.err("listen 127.0.0.1 7471", "org.rdmad1.Error.NotSupported");
+    assert!(
+        no_cm.contains("rdma_cm needs a kernel RDMA device"),
+        "{no_cm}"
+    );
+    let no_cm = a.err(
+        "connect-to 0 127.0.0.1 7471",
+        "org.rdmad1.Error.NotSupported",
+    );
+    assert!(
+        no_cm.contains("rdma_cm needs a kernel RDMA device"),
+        "{no_cm}"
+    );
+    let bad = a.err(
+        "connect-to 0 peer.example 7471",
+        "org.rdmad1.Error.InvalidArgument",
+    );
+    assert!(bad.contains("not an IPv4 or IPv6 address"), "{bad}");
+    let bad = a.err(
+        "connect-to 0 127.0.0.1 0",
+        "org.rdmad1.Error.InvalidArgument",
+    );
+    assert!(bad.contains("port 0"), "{bad}");
+    let long = "x".repeat(57);
+    let bad = a.err(
+        &format!("connect-to 0 127.0.0.1 7471 {long}"),
+        "org.rdmad1.Error.InvalidArgument",
+    );
+    assert!(bad.contains("57 bytes") && bad.contains("(56)"), "{bad}");
+    let none = a.err("accept 9", "org.rdmad1.Error.NoSuchObject");
+    assert!(none.contains("listener 9"), "{none}");
+    // Nothing was made on the way: the QP is still the only one, and unconnected.
+    let info = a.ok("qpinfo 0");
+    assert_eq!(
+        (info["state"].as_str(), info["peer"].as_str()),
+        (Some("reset"), Some(""))
+    );
+
+    // A grant lets the user past the policy (and on to the device's answer).
+    let (bus, _d) = start_on(
+        "loopback",
+        "[[listen.grant]]\nports = [\"80\", \"600-700\"]\nusers = [\"nobody\"]\n",
+    )
+    .await;
+    let mut b = Client::start(&bus, Some(NOBODY));
+    b.ok("open");
+    let past = b.err("listen 127.0.0.1 80", "org.rdmad1.Error.NotSupported");
+    assert!(past.contains("rdma_cm"), "{past}");
+    b.err("listen 127.0.0.1 650", "org.rdmad1.Error.NotSupported");
+    b.err("listen 127.0.0.1 701", "org.rdmad1.Error.NotAuthorized");
+}
+
 mod bodies {
     use rdmad_tests::client::Client;
     use rdmad_tests::daemon::{object_counts, rdmactl_ok, start_on, wait_for_sessions};

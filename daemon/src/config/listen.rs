@@ -71,12 +71,12 @@ fn in_any(list: &[String], port: u16) -> bool {
 
 impl ListenConfig {
     pub(super) fn validate(&self) -> Result<(), (String, String)> {
-        for (i, r) in self.open_ports.iter().enumerate() {
-            parse_ports(r).map_err(|m| (format!("listen.open_ports[{i}]"), m))?;
+        for r in &self.open_ports {
+            parse_ports(r).map_err(|m| ("listen.open_ports".to_owned(), m))?;
         }
         for (g, grant) in self.grants.iter().enumerate() {
-            for (i, r) in grant.ports.iter().enumerate() {
-                parse_ports(r).map_err(|m| (format!("listen.grant[{g}].ports[{i}]"), m))?;
+            for r in &grant.ports {
+                parse_ports(r).map_err(|m| (format!("listen.grant[{g}].ports"), m))?;
             }
             if grant.users.is_empty() && grant.groups.is_empty() {
                 return Err((
