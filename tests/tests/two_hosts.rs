@@ -693,3 +693,60 @@ async fn rxe_rping_talks_to_rdmad_both_ways() {
         assert_eq!(after[kind], before[kind], "{kind}: {before:?} -> {after:?}");
     }
 }
+
+/// rdmad to rdmad by address: a client of the peer's rdmad listens, a client of this
+/// host's rdmad connects to it with private data and hears the listener's in the accept;
+/// a message crosses; then the peer's client dies, its daemon's teardown disconnects, and
+/// this side's posted receive completes flushed (the queue pair is in the error state)
+/// while its daemon keeps serving. Both daemons end with nothing of either client.
+#[tokio::test(flavor = "multi_thread")]
+async fn rxe_rdmad_clients_connect_by_address_across_hosts() {
+    let _alone = rdmad_tests::ALONE.lock().await;
+    let peer = peer();
+    let peer_rdmad = peer.start_rdmad("");
+    let before_there = peer_rdmad.settled(0);
+    let (bus, _daemon) = start_on("verbs", "").await;
+    let before_here = object_counts(&bus).await;
+    {
+        let mut b = Client::on_peer(&peer_rdmad, Some(NOBODY));
+        b.ok("open");
+        b.ok("alloc default 65536");
+        let listening = b.ok(&format!("listen {} 7500 4 welcome-from-b", peer.address));
+        assert_eq!(listening[2], 7500, "{listening}");
+        let mut a = Client::start(&bus, Some(NOBODY));
+        a.ok("open");
+        a.ok("alloc default 65536");
+        a.ok("qp rxe0 16 16");
+        a.send(&format!("connect-to 0 {} 7500 hello-from-a", peer.address));
+        let accepted = b.ok(&format!("accept {}", listening[0]));
+        assert_eq!(accepted[1]["private_data"], "hello-from-a", "{accepted}");
+        assert_eq!(
+            accepted[1]["address"],
+            peer.own_address.as_str(),
+            "{accepted}"
+        );
+        let connected = a.answer();
+        assert_eq!(
+            connected["ok"]["private_data"], "welcome-from-b",
+            "{connected}"
+        );
+
+        b.ok("post 0 recv 0 0 64 1");
+        a.ok("write 0 0 across-by-address");
+        a.ok("post 0 send 0 0 17 2");
+        assert_completion(&a.ok("wait 0"), 2, "Success", "Send");
+        assert_completion(&b.ok("wait 0"), 1, "Success", "Recv");
+        assert_eq!(b.ok("read 0 0 17"), "across-by-address");
+
+        a.ok("post 0 recv 0 100 64 3");
+        b.kill();
+        let flushed = a.ok("wait 0");
+        assert_eq!(
+            (flushed["wr_id"].as_u64(), flushed["status"].as_str()),
+            (Some(3), Some("WrFlushError")),
+            "{flushed}"
+        );
+        assert_eq!(a.ok("qpinfo 0")["state"], "error");
+    }
+    assert_both_back(&bus, &before_here, &peer_rdmad, &before_there).await;
+}
