@@ -3,6 +3,7 @@
 //! running as other users. Readiness is always an event (the bus address printed, the bus
 //! name owned, a notify message), never a sleep.
 
+pub mod across;
 pub mod bus;
 pub mod client;
 pub mod daemon;

@@ -240,6 +240,14 @@ impl PeerRdmad {
     }
 }
 
+impl PeerRdmad {
+    /// Forgets the peer's rdmad without asking the peer to stop it: for a peer that was
+    /// powered off.
+    pub fn gone_with_its_host(self) {
+        std::mem::forget(self);
+    }
+}
+
 impl Drop for PeerRdmad {
     fn drop(&mut self) {
         if !std::thread::panicking() {

@@ -9,19 +9,11 @@
 
 use std::collections::HashMap;
 
-use rdmad_tests::bus::PrivateBus;
+use rdmad_tests::across::{assert_both_back, connected_across, peer};
 use rdmad_tests::client::{assert_completion, Client};
 use rdmad_tests::daemon::{device_and_gid, object_counts, rdmactl, start_on, wait_for_sessions};
 use rdmad_tests::peer::{Output, Peer, PeerRdmad};
 use rdmad_tests::NOBODY;
-
-/// The peer of this run; a test run any other way fails here, saying how to run it.
-fn peer() -> Peer {
-    Peer::from_env().expect(
-        "no peer guest (RDMAD_VM_PEER is not set): two-host tests run in the VM tier's \
-         two-guest mode, CARGO_TARGET_X86_64_UNKNOWN_LINUX_GNU_RUNNER=tests/vm/pair-runner",
-    )
-}
 
 /// The index of `rxe0`'s GID for IPv4 address `address` (`::ffff:a.b.c.d`), from the
 /// GID table a shell on that host printed (`index gid` lines, as sysfs spells GIDs).
@@ -256,44 +248,6 @@ async fn programs_across_the_wire(peer_rdmad: Option<&PeerRdmad>) {
     let after = object_counts(&bus).await;
     for kind in ["qps", "regions", "mrs", "pds", "sessions"] {
         assert_eq!(after[kind], before[kind], "{kind}: {before:?} -> {after:?}");
-    }
-}
-
-/// A client of this host's rdmad and one of the peer's rdmad, each as `nobody` with a
-/// 1 MiB region and a QP on rxe0, connected to each other by their daemons' endpoints.
-fn connected_across(bus: &PrivateBus, peer_rdmad: &PeerRdmad) -> (Client, Client) {
-    let mut a = Client::start(bus, Some(NOBODY));
-    let mut b = Client::on_peer(peer_rdmad, Some(NOBODY));
-    for c in [&mut a, &mut b] {
-        c.ok("open");
-        c.ok("alloc default 1048576");
-        c.ok("qp rxe0 64 64");
-    }
-    let (ea, eb) = (a.ok("endpoint 0"), b.ok("endpoint 0"));
-    a.ok(&format!("connect 0 {eb}"));
-    b.ok(&format!("connect 0 {ea}"));
-    (a, b)
-}
-
-/// Once every session is gone on both hosts, each daemon's objects are back at `before`.
-async fn assert_both_back(
-    bus: &PrivateBus,
-    before_here: &HashMap<String, u64>,
-    peer_rdmad: &PeerRdmad,
-    before_there: &HashMap<String, u64>,
-) {
-    wait_for_sessions(bus, 0).await;
-    let after_here = object_counts(bus).await;
-    let after_there = peer_rdmad.settled(0);
-    for kind in ["qps", "cqs", "mws", "mrs", "regions", "sessions"] {
-        assert_eq!(
-            after_here[kind], before_here[kind],
-            "here {kind}: {after_here:?}"
-        );
-        assert_eq!(
-            after_there[kind], before_there[kind],
-            "peer {kind}: {after_there:?}"
-        );
     }
 }
 

@@ -293,9 +293,15 @@ impl ConnectDefaults {
     pub fn for_device(dev: &dyn Device) -> Result<ConnectDefaults, EngineError> {
         let attrs = dev.attributes()?;
         Ok(ConnectDefaults {
-            // 4.096 µs × 2^14 ≈ 67 ms per try: enough for Soft-RoCE under load.
-            timeout: 14,
-            retry_cnt: 7,
+            // 4.096 µs × 2^16 ≈ 268 ms per try, 6 retries: a peer silent for about two
+            // seconds fails the request with RetryExceeded, and an emulated peer that is
+            // merely slow (Soft-RoCE under TCG) is not taken for a dead one.
+            timeout: 16,
+            // Not 7: Soft-RoCE (rxe) takes a retry count of 7 as "retry for ever" (as the
+            // specification has it only for the RNR retry count), so a request to a peer
+            // that powered off never completed — measured, `rdma statistic` counting
+            // hundreds of retries and no `retry_exceeded_err`.
+            retry_cnt: 6,
             // 7: retry without limit while the peer has no receive posted.
             rnr_retry: 7,
             min_rnr_timer: 12,
