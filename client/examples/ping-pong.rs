@@ -11,6 +11,10 @@
 //! trips and prints the median and 99th percentile. With `--spin` a side busy-polls its ring
 //! for completions instead of sleeping on the completion channel. `scripts/demo` runs both.
 //!
+//! With `--listen [ADDRESS:]PORT` on one side and `--connect ADDRESS:PORT` on the other,
+//! the two sides connect by address instead (rdmad's rdma_cm: the sides may be on two
+//! hosts, each with its own rdmad), and nothing is read from stdin.
+//!
 //! With `--write` the messages are RDMA WRITEs instead of SEND/RECV, as perftest's
 //! `ib_write_lat` does it: after connecting, each side exports its region through its QP
 //! and prints `{"addr":…,"rkey":…}` as its second line, reads the peer's as its second line
@@ -68,11 +72,20 @@ mod common;
 async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let (args, wait) = common::args_and_wait();
     let by_write = args.iter().any(|a| a == "--write");
-    let args: Vec<String> = args.into_iter().filter(|a| a != "--write").collect();
+    let mut args: Vec<String> = args.into_iter().filter(|a| a != "--write").collect();
+    let meet = common::Meet::from_args(&mut args)?;
     let role = args.get(1).map(String::as_str).unwrap_or("");
     if role != "ping" && role != "pong" {
-        eprintln!("usage: ping-pong ping|pong [ITERATIONS] [SIZE] [--spin] [--write]");
+        eprintln!(
+            "usage: ping-pong ping|pong [ITERATIONS] [SIZE] [--spin] \
+             [--write | --listen [ADDRESS:]PORT | --connect ADDRESS:PORT]"
+        );
         std::process::exit(2);
+    }
+    if by_write && meet != common::Meet::Stdio {
+        return Err(
+            "--write exchanges its exports over stdio: not with --listen or --connect".into(),
+        );
     }
     let iterations: u64 = args.get(2).map_or(Ok(1000), |s| s.parse())?;
     let size: u32 = args.get(3).map_or(Ok(64), |s| s.parse())?;
@@ -80,16 +93,19 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         return Err("SIZE must be 8 to 2048 bytes".into());
     }
 
-    let mut side = common::setup(4096, Options::new()).await?;
+    let mut side = common::setup_meeting(4096, Options::new(), &meet).await?;
     let mut stdin = std::io::stdin().lines();
-    let peer = side.connect_over_stdio(&mut stdin).await?;
+    if meet == common::Meet::Stdio {
+        let peer = side.connect_over_stdio(&mut stdin).await?;
+        eprintln!(
+            "{role}: {} QPN {} connected to {}/{}",
+            side.device,
+            side.qp.endpoint().await?.qp_num,
+            peer.gid,
+            peer.qp_num
+        );
+    }
     let (device, region, buffer, ring) = (&side.device, side.region, &side.buffer, &mut side.ring);
-    eprintln!(
-        "{role}: {device} QPN {} connected to {}/{}",
-        side.qp.endpoint().await?.qp_num,
-        peer.gid,
-        peer.qp_num
-    );
 
     // Messages go out from offset 0 and come in at offset 2048.
     let (send_at, recv_at) = (0, 2048);

@@ -49,6 +49,17 @@ pub fn binary(name: &str) -> PathBuf {
     path
 }
 
+/// Path of an example of the workspace (`target/<profile>/examples/NAME`).
+pub fn example(name: &str) -> PathBuf {
+    let path = binary("examples").join(name);
+    assert!(
+        path.exists(),
+        "{} does not exist: build the examples first (cargo build --workspace --examples)",
+        path.display()
+    );
+    path
+}
+
 /// Held by a test for its whole run when it compares figures that are per device or per
 /// host — the kernel's verbs objects, latency, host memory: the tests of one binary run in
 /// parallel threads of one process (on the host and in the VM tier's guest alike), so each

@@ -704,3 +704,48 @@ async fn rxe_rdmad_clients_connect_by_address_across_hosts() {
     }
     assert_both_back(&bus, &before_here, &peer_rdmad, &before_there).await;
 }
+
+/// The operator's walk-through (docs/two-hosts.md) as a test: the `ping-pong` example of
+/// rdmad-client listens by address through the peer's rdmad (`pong --listen`) and
+/// connects to it through this host's (`ping --connect`), each as `nobody`, and reports
+/// its round trips.
+#[tokio::test(flavor = "multi_thread")]
+async fn rxe_the_ping_pong_example_connects_by_address_across_hosts() {
+    let _alone = rdmad_tests::ALONE.lock().await;
+    let peer = peer();
+    let peer_rdmad = peer.start_rdmad("");
+    let (bus, _daemon) = start_on("verbs", "").await;
+    let ping_pong = rdmad_tests::example("ping-pong");
+    let ping_pong = ping_pong.to_str().expect("a UTF-8 path");
+    let at = format!("{}:7510", peer.address);
+    let pong = peer.spawn(
+        Some(NOBODY),
+        &[ping_pong, "pong", "200", "--listen", &at],
+        &[("RDMAD_BUS_ADDRESS", &peer_rdmad.bus)],
+    );
+    wait_for_cm_listener(&peer, 7510);
+    let ping = rdmad_tests::daemon::as_user(Some(NOBODY), std::path::Path::new(ping_pong))
+        .args(["ping", "200", "--connect", &at])
+        .env("RDMAD_BUS_ADDRESS", &bus.address)
+        .output()
+        .expect("run ping-pong");
+    let pong = pong.wait();
+    let out = String::from_utf8_lossy(&ping.stdout);
+    eprintln!("{out}");
+    assert!(
+        ping.status.success(),
+        "ping: {}{}\npong: {pong:?}",
+        out,
+        String::from_utf8_lossy(&ping.stderr)
+    );
+    assert!(pong.success(), "pong: {pong:?}");
+    assert!(
+        out.contains("200 SEND round trips of 64 B on rxe0"),
+        "{out}"
+    );
+    assert!(
+        String::from_utf8_lossy(&ping.stderr).contains(&format!("connected to {at}")),
+        "{}",
+        String::from_utf8_lossy(&ping.stderr)
+    );
+}

@@ -29,9 +29,57 @@ pub struct Side {
     pub ring: QueuePairRing,
 }
 
+/// How the two sides find each other.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Meet {
+    /// Endpoints exchanged as JSON lines over stdin and stdout.
+    Stdio,
+    /// `--connect ADDRESS:PORT`: connect by address to a `--listen` side (or any
+    /// rdma_cm listener).
+    Connect(String, u16),
+    /// `--listen [ADDRESS:]PORT`: wait for one connection by address.
+    Listen(String, u16),
+}
+
+impl Meet {
+    /// Takes `--connect ADDRESS:PORT` or `--listen [ADDRESS:]PORT` out of `args`.
+    pub fn from_args(args: &mut Vec<String>) -> Result<Meet> {
+        let Some(at) = args
+            .iter()
+            .position(|a| a == "--connect" || a == "--listen")
+        else {
+            return Ok(Meet::Stdio);
+        };
+        let flag = args.remove(at);
+        if at >= args.len() {
+            return Err(format!("{flag} needs ADDRESS:PORT").into());
+        }
+        let value = args.remove(at);
+        let (address, port) = match value.rsplit_once(':') {
+            Some((a, p)) => (
+                a.trim_start_matches('[').trim_end_matches(']').to_owned(),
+                p,
+            ),
+            None => (String::new(), value.as_str()),
+        };
+        let port: u16 = port
+            .parse()
+            .map_err(|_| format!("{flag} {value}: {port:?} is not a port"))?;
+        Ok(if flag == "--connect" {
+            if address.is_empty() {
+                return Err("--connect needs the listener's ADDRESS:PORT".into());
+            }
+            Meet::Connect(address, port)
+        } else {
+            Meet::Listen(address, port)
+        })
+    }
+}
+
 /// Opens a session, allocates `region_size` bytes from the `default` pool and creates a
-/// queue pair on the first device with `qp_options`.
-pub async fn setup(region_size: u64, qp_options: Options<'_>) -> Result<Side> {
+/// queue pair on the first device with `qp_options` — or, with `Meet::Listen`, listens
+/// and takes the queue pair `Accept` makes for the first connection.
+pub async fn setup_meeting(region_size: u64, qp_options: Options<'_>, meet: &Meet) -> Result<Side> {
     let connection = rdmad_client::connect(None).await?;
     let manager = ManagerProxy::new(&connection).await?;
     let session = SessionProxy::builder(&connection)
@@ -49,14 +97,26 @@ pub async fn setup(region_size: u64, qp_options: Options<'_>) -> Result<Side> {
         .await?;
     let region = object_id(region_path.as_str()).ok_or("region id")?;
     let buffer = RegionMapping::map(OwnedFd::from(fd), size as usize, true)?;
-    let (qp_path, ring_fd, doorbell, completions, info) =
-        session.create_queue_pair(&device, qp_options).await?;
+    let (qp_path, ring_fd, doorbell, completions, info) = match meet {
+        Meet::Listen(address, port) => {
+            let (listener, on, port) = session.listen(address, *port, qp_options).await?;
+            eprintln!("listening on {on}:{port}");
+            let mut options = Options::new();
+            options.insert("timeout_ms", zbus::zvariant::Value::from(600_000u32));
+            let (qp, ring, doorbell, completions, info, peer) =
+                session.accept(listener, options).await?;
+            eprintln!("accepted a connection from {}", describe(&peer));
+            session.stop_listening(listener).await?;
+            (qp, ring, doorbell, completions, info)
+        }
+        _ => session.create_queue_pair(&device, qp_options).await?,
+    };
     let ring = QueuePairRing::new(ring_fd.into(), doorbell.into(), completions.into(), info)?;
     let qp = QueuePairProxy::builder(&connection)
         .path(qp_path.clone())?
         .build()
         .await?;
-    Ok(Side {
+    let side = Side {
         connection,
         device,
         region_path,
@@ -65,7 +125,29 @@ pub async fn setup(region_size: u64, qp_options: Options<'_>) -> Result<Side> {
         qp_path,
         qp,
         ring,
-    })
+    };
+    if let Meet::Connect(address, port) = meet {
+        let peer = side.qp.connect_to(address, *port, Options::new()).await?;
+        eprintln!("connected to {}", describe(&peer));
+    }
+    Ok(side)
+}
+
+/// Opens a session, allocates `region_size` bytes from the `default` pool and creates a
+/// queue pair on the first device with `qp_options`.
+pub async fn setup(region_size: u64, qp_options: Options<'_>) -> Result<Side> {
+    setup_meeting(region_size, qp_options, &Meet::Stdio).await
+}
+
+/// A connection by address as `Accept` and `ConnectTo` describe it: `ADDRESS:PORT (QPN n)`.
+fn describe(c: &std::collections::HashMap<String, zbus::zvariant::OwnedValue>) -> String {
+    let text = |k: &str| c.get(k).map_or_else(String::new, |v| format!("{v:?}"));
+    format!(
+        "{}:{} (QPN {})",
+        text("address").trim_matches('"'),
+        text("port"),
+        text("qp_num")
+    )
 }
 
 impl Side {
