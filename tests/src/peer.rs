@@ -100,6 +100,8 @@ pub struct Peer {
     pub address6: String,
     /// This guest's IPv4 address on the wire.
     pub own_address: String,
+    /// This guest's IPv6 address on the wire.
+    pub own_address6: String,
     agent: SocketAddr,
 }
 
@@ -110,11 +112,13 @@ impl Peer {
         let address = std::env::var("RDMAD_VM_PEER").ok()?;
         let address6 = std::env::var("RDMAD_VM_PEER6").ok()?;
         let own_address = std::env::var("RDMAD_VM_SELF").ok()?;
+        let own_address6 = std::env::var("RDMAD_VM_SELF6").ok()?;
         let agent = format!("{address}:{PORT}").parse().ok()?;
         Some(Peer {
             address,
             address6,
             own_address,
+            own_address6,
             agent,
         })
     }

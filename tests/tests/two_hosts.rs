@@ -15,12 +15,15 @@ use rdmad_tests::daemon::{device_and_gid, object_counts, rdmactl, start_on, wait
 use rdmad_tests::peer::{Output, Peer, PeerRdmad};
 use rdmad_tests::NOBODY;
 
-/// The index of `rxe0`'s GID for IPv4 address `address` (`::ffff:a.b.c.d`), from the
-/// GID table a shell on that host printed (`index gid` lines, as sysfs spells GIDs).
+/// The index of `rxe0`'s GID for `address` (an IPv4 address's is `::ffff:a.b.c.d`), from
+/// the GID table a shell on that host printed (`index gid` lines, as sysfs spells GIDs).
 fn gid_index(table: &str, address: &str) -> String {
-    let v4: std::net::Ipv4Addr = address.parse().expect("an IPv4 address");
-    let mapped = v4
-        .to_ipv6_mapped()
+    let ip: std::net::IpAddr = address.parse().expect("an IP address");
+    let v6 = match ip {
+        std::net::IpAddr::V4(v4) => v4.to_ipv6_mapped(),
+        std::net::IpAddr::V6(v6) => v6,
+    };
+    let spelled = v6
         .segments()
         .iter()
         .map(|s| format!("{s:04x}"))
@@ -30,22 +33,27 @@ fn gid_index(table: &str, address: &str) -> String {
         .lines()
         .find_map(|l| {
             let (index, gid) = l.split_once(' ')?;
-            (gid.trim() == mapped).then(|| index.to_owned())
+            (gid.trim() == spelled).then(|| index.to_owned())
         })
-        .unwrap_or_else(|| panic!("no GID {mapped} for {address} in:\n{table}"))
+        .unwrap_or_else(|| panic!("no GID {spelled} for {address} in:\n{table}"))
 }
 
 /// The shell command printing rxe0's GID table as `index gid` lines.
 const GID_TABLE: &str = "for f in /sys/class/infiniband/rxe0/ports/1/gids/*; do \
                          echo \"${f##*/} $(cat $f)\"; done";
 
-/// This host's and the peer's rxe0 GID index for their wire address.
-fn wire_gids(peer: &Peer) -> (String, String) {
+/// This host's rxe0 GID table, as `index gid` lines.
+fn local_gid_table() -> String {
     let local = std::process::Command::new("sh")
         .args(["-c", GID_TABLE])
         .output()
         .expect("read the local GID table");
-    let local = String::from_utf8_lossy(&local.stdout).into_owned();
+    String::from_utf8_lossy(&local.stdout).into_owned()
+}
+
+/// This host's and the peer's rxe0 GID index for their wire address.
+fn wire_gids(peer: &Peer) -> (String, String) {
+    let local = local_gid_table();
     let remote = peer.run(None, &["sh", "-c", GID_TABLE], &[]);
     assert!(remote.success(), "the peer's GID table: {remote:?}");
     (
@@ -748,4 +756,122 @@ async fn rxe_the_ping_pong_example_connects_by_address_across_hosts() {
         "{}",
         String::from_utf8_lossy(&ping.stderr)
     );
+}
+
+/// GID choice on hosts with several addresses (each guest has an IPv4 link-local and an
+/// IPv6 unique-local address on the wire, and an IPv6 link-local one): with the IPv6 GID
+/// pinned in `[[device]]`, a queue pair's endpoint carries it; a connection by address
+/// uses the GID of the address it was made to, whatever the pin — the IPv6 GIDs for the
+/// peer's IPv6 address, the IPv4-mapped ones for its IPv4 address — and a message
+/// crosses each.
+#[tokio::test(flavor = "multi_thread")]
+async fn rxe_the_gid_follows_the_address_or_the_pin() {
+    let _alone = rdmad_tests::ALONE.lock().await;
+    let peer = peer();
+    let table = local_gid_table();
+    assert!(
+        table
+            .lines()
+            .filter(|l| !l.ends_with(" 0000:0000:0000:0000:0000:0000:0000:0000"))
+            .count()
+            >= 3,
+        "several addresses, several GIDs:\n{table}"
+    );
+    let pinned = gid_index(&table, &peer.own_address6);
+    let peer_rdmad = peer.start_rdmad("");
+    let (bus, _daemon) = start_on(
+        "verbs",
+        &format!("[[device]]\nname = \"rxe0\"\ngid_index = {pinned}\n"),
+    )
+    .await;
+    let mut a = Client::start(&bus, Some(NOBODY));
+    a.ok("open");
+    a.ok("alloc default 65536");
+    a.ok("qp rxe0 16 16");
+    let endpoint = a.ok("endpoint 0");
+    assert_eq!(endpoint["gid"], peer.own_address6.as_str(), "{endpoint}");
+
+    let mut b = Client::on_peer(&peer_rdmad, Some(NOBODY));
+    b.ok("open");
+    b.ok("alloc default 65536");
+    for (q, (address, port, peer_gid)) in [
+        (&peer.address6, 7520, peer.address6.clone()),
+        (&peer.address, 7521, format!("::ffff:{}", peer.address)),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let listening = b.ok(&format!("listen {address} {port}"));
+        a.ok("qp rxe0 16 16");
+        a.send(&format!("connect-to {} {address} {port}", q + 1));
+        b.ok(&format!("accept {}", listening[0]));
+        assert!(a.answer().get("ok").is_some());
+        let info = a.ok(&format!("qpinfo {}", q + 1));
+        // `ADDRESS:PORT GID/QPN`
+        let shown = info["peer"].as_str().unwrap_or_default();
+        let (at, gid) = shown.split_once(' ').unwrap_or_default();
+        assert!(
+            at.ends_with(&format!(":{port}")) && gid.split('/').next() == Some(peer_gid.as_str()),
+            "connected to {address}: {info}"
+        );
+        b.ok(&format!("post {q} recv 0 0 64 1"));
+        a.ok(&format!("write 0 0 over-{port}"));
+        a.ok(&format!("post {} send 0 0 9 2", q + 1));
+        assert_completion(&a.ok(&format!("wait {}", q + 1)), 2, "Success", "Send");
+        assert_completion(&b.ok(&format!("wait {q}")), 1, "Success", "Recv");
+        assert_eq!(b.ok("read 0 0 9"), format!("over-{port}"));
+    }
+}
+
+/// A tenant that floods rdmad with connections that cannot succeed — twelve `ConnectTo`s at
+/// once to an address on the wire where no host answers — does not hold up another
+/// tenant: while they wait (each user has at most four connections being made at a time,
+/// the rest queued without a thread), a second user connects to a `ucmatose` server on
+/// the peer and exchanges its messages. Every one of the flooder's calls ends saying the
+/// address cannot be reached, and rdmad ends with nothing of either.
+#[tokio::test(flavor = "multi_thread")]
+async fn rxe_a_tenant_flooding_hopeless_connections_does_not_hold_up_another() {
+    let _alone = rdmad_tests::ALONE.lock().await;
+    let peer = peer();
+    let (bus, _daemon) = start_on("verbs", "").await;
+    let before = object_counts(&bus).await;
+    {
+        let server = peer.spawn(None, &["ucmatose", "-p", "7530"], &[]);
+        wait_for_cm_listener(&peer, 7530);
+        let nowhere = peer
+            .address
+            .rsplit_once('.')
+            .map(|(net, _)| format!("{net}.99"));
+        let nowhere = nowhere.expect("an IPv4 wire address");
+        let mut flood: Vec<Client> = (0..12)
+            .map(|_| {
+                let mut x = Client::start(&bus, Some(NOBODY));
+                x.ok("open");
+                x.ok("qp rxe0 4 4");
+                x.send(&format!("connect-to 0 {nowhere} 7530"));
+                x
+            })
+            .collect();
+        let mut y = Client::start(&bus, Some(1));
+        y.ok("open");
+        y.ok("alloc default 65536");
+        y.ok("qp rxe0 16 16");
+        y.ok(&format!("connect-to 0 {} 7530", peer.address));
+        ucmatose_exchange(&mut y, 0);
+        y.ok("destroy 0");
+        let out = server.wait();
+        assert!(out.success(), "ucmatose server: {out:?}");
+        for x in &mut flood {
+            let answer = x.answer();
+            assert_eq!(
+                answer["error"], "org.rdmad1.Error.ConnectionFailed",
+                "{answer}"
+            );
+        }
+    }
+    wait_for_sessions(&bus, 0).await;
+    let after = object_counts(&bus).await;
+    for kind in ["qps", "cqs", "mrs", "regions", "sessions"] {
+        assert_eq!(after[kind], before[kind], "{kind}: {before:?} -> {after:?}");
+    }
 }

@@ -141,10 +141,17 @@ pub async fn setup(region_size: u64, qp_options: Options<'_>) -> Result<Side> {
 
 /// A connection by address as `Accept` and `ConnectTo` describe it: `ADDRESS:PORT (QPN n)`.
 fn describe(c: &std::collections::HashMap<String, zbus::zvariant::OwnedValue>) -> String {
-    let text = |k: &str| c.get(k).map_or_else(String::new, |v| format!("{v:?}"));
+    use zbus::zvariant::Value;
+    let text = |k: &str| match c.get(k).map(|v| &**v) {
+        Some(Value::Str(s)) => s.to_string(),
+        Some(Value::U16(n)) => n.to_string(),
+        Some(Value::U32(n)) => n.to_string(),
+        Some(other) => format!("{other:?}"),
+        None => "?".to_owned(),
+    };
     format!(
         "{}:{} (QPN {})",
-        text("address").trim_matches('"'),
+        text("address"),
         text("port"),
         text("qp_num")
     )
