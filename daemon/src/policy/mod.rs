@@ -141,9 +141,9 @@ pub fn may_listen(caller: &Caller, config: &Config, port: u16) -> Result<(), Str
         return Ok(());
     }
     let user = quota::user_name(caller.uid);
-    let granted = listen.grants_for(port).any(|g| {
-        g.users.iter().any(|u| *u == user) || g.groups.iter().any(|grp| in_group(grp, &caller.gids))
-    });
+    let granted = listen
+        .grants_for(port)
+        .any(|g| g.users.contains(&user) || g.groups.iter().any(|grp| in_group(grp, &caller.gids)));
     if granted {
         return Ok(());
     }
