@@ -34,6 +34,15 @@ pub fn connected_across(bus: &PrivateBus, peer_rdmad: &PeerRdmad) -> (Client, Cl
     (a, b)
 }
 
+/// Once every session is gone, this host's daemon's objects are back at `before`.
+pub async fn assert_back(bus: &PrivateBus, before: &HashMap<String, u64>) {
+    wait_for_sessions(bus, 0).await;
+    let after = object_counts(bus).await;
+    for kind in ["qps", "cqs", "mws", "mrs", "regions", "sessions"] {
+        assert_eq!(after[kind], before[kind], "{kind}: {before:?} -> {after:?}");
+    }
+}
+
 /// Once every session is gone on both hosts, each daemon's objects are back at `before`.
 pub async fn assert_both_back(
     bus: &PrivateBus,

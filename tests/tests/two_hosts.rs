@@ -9,7 +9,7 @@
 
 use std::collections::HashMap;
 
-use rdmad_tests::across::{assert_both_back, connected_across, peer};
+use rdmad_tests::across::{assert_back, assert_both_back, connected_across, peer};
 use rdmad_tests::client::{assert_completion, Client};
 use rdmad_tests::daemon::{device_and_gid, object_counts, rdmactl, start_on, wait_for_sessions};
 use rdmad_tests::peer::{Output, Peer, PeerRdmad};
@@ -529,11 +529,7 @@ async fn rxe_connections_by_address_with_rdma_cm_programs() {
         assert!(out.success(), "ucmatose client: {out:?}");
         a.ok(&format!("stop-listening {listener}"));
     }
-    wait_for_sessions(&bus, 0).await;
-    let after = object_counts(&bus).await;
-    for kind in ["qps", "cqs", "mrs", "regions", "sessions"] {
-        assert_eq!(after[kind], before[kind], "{kind}: {before:?} -> {after:?}");
-    }
+    assert_back(&bus, &before).await;
 }
 
 /// The next `n` completions of client `c`'s queue pair `q`, each a success, by work
@@ -649,11 +645,7 @@ async fn rxe_rping_talks_to_rdmad_both_ways() {
         assert!(out.stdout.contains("ping data: rdma-ping-0: "), "{out:?}");
         a.ok(&format!("stop-listening {listener}"));
     }
-    wait_for_sessions(&bus, 0).await;
-    let after = object_counts(&bus).await;
-    for kind in ["qps", "cqs", "mws", "mrs", "regions", "sessions"] {
-        assert_eq!(after[kind], before[kind], "{kind}: {before:?} -> {after:?}");
-    }
+    assert_back(&bus, &before).await;
 }
 
 /// rdmad to rdmad by address: a client of the peer's rdmad listens, a client of this
@@ -869,9 +861,5 @@ async fn rxe_a_tenant_flooding_hopeless_connections_does_not_hold_up_another() {
             );
         }
     }
-    wait_for_sessions(&bus, 0).await;
-    let after = object_counts(&bus).await;
-    for kind in ["qps", "cqs", "mrs", "regions", "sessions"] {
-        assert_eq!(after[kind], before[kind], "{kind}: {before:?} -> {after:?}");
-    }
+    assert_back(&bus, &before).await;
 }

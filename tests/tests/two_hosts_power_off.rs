@@ -2,8 +2,10 @@
 //! own: the peer does not come back, so nothing may run after it (scripts/test-vm runs it
 //! with tests/vm/pair-runner, as `two_hosts`).
 
-use rdmad_tests::across::{assert_stream_failed, connected_across, peer, stream_under_way};
-use rdmad_tests::daemon::{object_counts, start_on, wait_for_sessions};
+use rdmad_tests::across::{
+    assert_back, assert_stream_failed, connected_across, peer, stream_under_way,
+};
+use rdmad_tests::daemon::{object_counts, start_on};
 
 /// The peer guest is powered off (`sysrq o`, no shutdown of anything first) in the middle
 /// of a stream of 1 MiB WRITEs from this host's rdmad client into the peer's: the writer's
@@ -28,9 +30,5 @@ async fn rxe_the_peer_powered_off_mid_stream_fails_the_transfer_cleanly() {
         assert_stream_failed(&mut a, &["RetryExceeded"]);
     }
     peer_rdmad.gone_with_its_host();
-    wait_for_sessions(&bus, 0).await;
-    let after = object_counts(&bus).await;
-    for kind in ["qps", "cqs", "mws", "mrs", "regions", "sessions"] {
-        assert_eq!(after[kind], before[kind], "{kind}: {before:?} -> {after:?}");
-    }
+    assert_back(&bus, &before).await;
 }

@@ -19,7 +19,7 @@ use super::addressing;
 use super::context::Context;
 use super::options::Options;
 use super::wire;
-use crate::engine::{ListenOptions, ListenerId, QpOptions, SessionId};
+use crate::engine::{ListenOptions, ListenerId, QpHandout, QpOptions, SessionId};
 use crate::policy;
 
 pub struct SessionObject {
@@ -46,6 +46,22 @@ impl SessionObject {
             .cloned()
             .ok_or_else(|| Error::NoSuchObject(format!("listener {id} (of session {})", self.id)))
     }
+}
+
+/// What `CreateQueuePair` and `Accept` hand a client of a new queue pair: its object, the
+/// ring memfd, the doorbell, the completion channel and the ring's size and depths.
+fn handout(q: QpHandout) -> (OwnedObjectPath, OwnedFd, OwnedFd, OwnedFd, RingInfo) {
+    (
+        wire::path(rdmad_client::names::qp_path(q.id.0)),
+        OwnedFd::from(q.ring),
+        OwnedFd::from(q.doorbell),
+        OwnedFd::from(q.completion),
+        RingInfo {
+            size: q.ring_size,
+            sq_entries: q.sq_entries,
+            cq_entries: q.cq_entries,
+        },
+    )
 }
 
 /// The queue pair options `CreateQueuePair` and `Listen` take.
@@ -225,17 +241,7 @@ impl SessionObject {
             device,
             "queue pair created"
         );
-        Ok((
-            wire::path(rdmad_client::names::qp_path(id.0)),
-            OwnedFd::from(q.ring),
-            OwnedFd::from(q.doorbell),
-            OwnedFd::from(q.completion),
-            RingInfo {
-                size: q.ring_size,
-                sq_entries: q.sq_entries,
-                cq_entries: q.cq_entries,
-            },
-        ))
+        Ok(handout(q))
     }
 
     /// Listens for connections by address through rdma_cm on `address` (empty: every
@@ -361,16 +367,13 @@ impl SessionObject {
         let id = q.id;
         self.ctx.publish_qp(server, &caller, id).await?;
         tracing::info!(session = %self.id, qp = %id, qpn = q.qp_num, peer = ?connected.peer, listener, "connection accepted");
+        let (path, ring, doorbell, completion, info) = handout(q);
         Ok((
-            wire::path(rdmad_client::names::qp_path(id.0)),
-            OwnedFd::from(q.ring),
-            OwnedFd::from(q.doorbell),
-            OwnedFd::from(q.completion),
-            RingInfo {
-                size: q.ring_size,
-                sq_entries: q.sq_entries,
-                cq_entries: q.cq_entries,
-            },
+            path,
+            ring,
+            doorbell,
+            completion,
+            info,
             addressing::describe(&connected)?,
         ))
     }

@@ -166,6 +166,26 @@ async fn region<'a>(
     Ok(RegionProxy::builder(c).path(path.clone())?.build().await?)
 }
 
+/// A new queue pair's descriptors as `CreateQueuePair` and `Accept` hand them out: kept
+/// (for the attacks on them) and mapped as its ring.
+fn map_ring(
+    ring: zbus::zvariant::OwnedFd,
+    doorbell: zbus::zvariant::OwnedFd,
+    completion: zbus::zvariant::OwnedFd,
+    info: rdmad_client::types::RingInfo,
+) -> Result<(RingFds, QueuePairRing), Error> {
+    let (ring, doorbell, completions): (OwnedFd, OwnedFd, OwnedFd) =
+        (ring.into(), doorbell.into(), completion.into());
+    let fds = RingFds {
+        ring: ring.try_clone().expect("dup"),
+        doorbell: doorbell.try_clone().expect("dup"),
+        completions: completions.try_clone().expect("dup"),
+    };
+    let ring = QueuePairRing::new(ring, doorbell, completions, info)
+        .map_err(|e| Error::InvalidArgument(format!("ring: {e}")))?;
+    Ok((fds, ring))
+}
+
 /// The most WRITEs `stream` keeps in flight.
 const STREAM_IN_FLIGHT: u64 = 16;
 
@@ -435,17 +455,9 @@ async fn main() {
                     let (path, ring, doorbell, completion, info, connection) =
                         s.accept(num(0), options).await?;
                     qps.push(path.to_string());
-                    let (ring, doorbell, completions): (OwnedFd, OwnedFd, OwnedFd) =
-                        (ring.into(), doorbell.into(), completion.into());
-                    ring_fds.push(RingFds {
-                        ring: ring.try_clone().expect("dup"),
-                        doorbell: doorbell.try_clone().expect("dup"),
-                        completions: completions.try_clone().expect("dup"),
-                    });
-                    rings.push(
-                        QueuePairRing::new(ring, doorbell, completions, info)
-                            .map_err(|e| Error::InvalidArgument(format!("ring: {e}")))?,
-                    );
+                    let (fds, ring) = map_ring(ring, doorbell, completion, info)?;
+                    ring_fds.push(fds);
+                    rings.push(ring);
                     Ok(json!([path.as_str(), connection_json(&connection)]))
                 }
                 "connect-to" => {
@@ -479,17 +491,9 @@ async fn main() {
                     let (path, ring, doorbell, completion, info) =
                         s.create_queue_pair(arg(0), options).await?;
                     qps.push(path.to_string());
-                    let (ring, doorbell, completions): (OwnedFd, OwnedFd, OwnedFd) =
-                        (ring.into(), doorbell.into(), completion.into());
-                    ring_fds.push(RingFds {
-                        ring: ring.try_clone().expect("dup"),
-                        doorbell: doorbell.try_clone().expect("dup"),
-                        completions: completions.try_clone().expect("dup"),
-                    });
-                    rings.push(
-                        QueuePairRing::new(ring, doorbell, completions, info)
-                            .map_err(|e| Error::InvalidArgument(format!("ring: {e}")))?,
-                    );
+                    let (fds, ring) = map_ring(ring, doorbell, completion, info)?;
+                    ring_fds.push(fds);
+                    rings.push(ring);
                     Ok(json!([
                         path.as_str(),
                         info.size,

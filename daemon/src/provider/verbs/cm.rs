@@ -393,57 +393,40 @@ impl ConnectionManager for RdmaCm {
             let e = io::Error::last_os_error();
             return Err(connection_error(format!("cannot resolve {}: {e}", to.ip())));
         }
-        let e = id
-            .shared
-            .wait(
-                id.token,
-                &[
-                    ev::RDMA_CM_EVENT_ADDR_RESOLVED,
-                    ev::RDMA_CM_EVENT_ADDR_ERROR,
-                ],
-                timeout + Duration::from_secs(1),
-            )
-            .ok_or_else(|| {
-                connection_error(format!(
-                    "resolving {} took longer than {timeout:?}",
-                    to.ip()
-                ))
-            })?;
-        if e.kind != ev::RDMA_CM_EVENT_ADDR_RESOLVED {
-            return Err(connection_error(format!(
-                "{} cannot be reached through an RDMA device of this host ({})",
+        // Each step ends in its success event or its error event (or nothing in time).
+        let step = |done: ev::Type, failed: ev::Type, doing: &str, failure: &str| {
+            let e = id
+                .shared
+                .wait(id.token, &[done, failed], timeout + Duration::from_secs(1))
+                .ok_or_else(|| {
+                    connection_error(format!("{doing} {} took longer than {timeout:?}", to.ip()))
+                })?;
+            if e.kind == done {
+                return Ok(());
+            }
+            Err(connection_error(format!(
+                "{} {failure} ({})",
                 to.ip(),
                 io::Error::from_raw_os_error(-e.status)
-            )));
-        }
+            )))
+        };
+        step(
+            ev::RDMA_CM_EVENT_ADDR_RESOLVED,
+            ev::RDMA_CM_EVENT_ADDR_ERROR,
+            "resolving",
+            "cannot be reached through an RDMA device of this host",
+        )?;
         // SAFETY: `id` is valid.
         if unsafe { rdma_resolve_route(id.raw.0.as_ptr(), ms) } != 0 {
             let e = io::Error::last_os_error();
             return Err(connection_error(format!("no route to {}: {e}", to.ip())));
         }
-        let e = id
-            .shared
-            .wait(
-                id.token,
-                &[
-                    ev::RDMA_CM_EVENT_ROUTE_RESOLVED,
-                    ev::RDMA_CM_EVENT_ROUTE_ERROR,
-                ],
-                timeout + Duration::from_secs(1),
-            )
-            .ok_or_else(|| {
-                connection_error(format!(
-                    "finding a route to {} took longer than {timeout:?}",
-                    to.ip()
-                ))
-            })?;
-        if e.kind != ev::RDMA_CM_EVENT_ROUTE_RESOLVED {
-            return Err(connection_error(format!(
-                "no route to {} ({})",
-                to.ip(),
-                io::Error::from_raw_os_error(-e.status)
-            )));
-        }
+        step(
+            ev::RDMA_CM_EVENT_ROUTE_RESOLVED,
+            ev::RDMA_CM_EVENT_ROUTE_ERROR,
+            "finding a route to",
+            "has no route from here",
+        )?;
         Ok(Box::new(id))
     }
 }
