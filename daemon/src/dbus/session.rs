@@ -19,7 +19,7 @@ use super::addressing;
 use super::context::Context;
 use super::options::Options;
 use super::wire;
-use crate::engine::{ListenOptions, ListenerId, QpHandout, QpOptions, SessionId};
+use crate::engine::{ListenOptions, ListenerId, QpHandout, QpOptions, SessionId, MAX_BACKLOG};
 use crate::policy;
 
 pub struct SessionObject {
@@ -269,7 +269,12 @@ impl SessionObject {
         let qp = qp_options("Listen", &opts)?;
         let backlog = match opts.unsigned("backlog")? {
             None => 8,
-            Some(n) => u32::try_from(n).unwrap_or(u32::MAX),
+            Some(n) if (1..=u64::from(MAX_BACKLOG)).contains(&n) => n as u32,
+            Some(n) => {
+                return Err(Error::InvalidArgument(format!(
+                    "Listen: backlog {n} is out of range: 1 to {MAX_BACKLOG}"
+                )))
+            }
         };
         let private_data = opts.bytes("private_data")?.unwrap_or_default();
         let ip = addressing::ip("Listen", "address", address)?
@@ -343,7 +348,10 @@ impl SessionObject {
         let caller = self.ctx.caller(connection, &header).await?;
         let deadline = tokio::time::Instant::now() + wait;
         let (q, connected) = loop {
+            // Registered before looking, so a request that arrives meanwhile wakes it.
             let woken = wake.notified();
+            tokio::pin!(woken);
+            woken.as_mut().enable();
             let turn = self.ctx.connecting.take(caller.uid).await?;
             let (accepting, config) = (caller.clone(), self.ctx.config());
             let taken = self
@@ -357,7 +365,10 @@ impl SessionObject {
             if let Some(done) = taken {
                 break done;
             }
-            if tokio::time::timeout_at(deadline, woken).await.is_err() {
+            if tokio::time::timeout_at(deadline, woken.as_mut())
+                .await
+                .is_err()
+            {
                 return Err(Error::ConnectionFailed(format!(
                     "Accept: no connection request came to listener {listener} within {} ms",
                     wait.as_millis()

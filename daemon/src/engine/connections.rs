@@ -25,7 +25,9 @@ use std::time::{Duration, Instant};
 use super::qp::{ConnectDefaults, QpOptions, QueuePairRecord};
 use super::{Engine, EngineError, Limits, Owner, QpHandout, QpId, SessionId};
 use crate::lock::lock;
-use crate::provider::cm::{CmId, CmPath, ConnParam, REPLY_PRIVATE_DATA, REQUEST_PRIVATE_DATA};
+use crate::provider::cm::{
+    CmId, CmPath, CmRequest, ConnParam, REPLY_PRIVATE_DATA, REQUEST_PRIVATE_DATA,
+};
 use crate::provider::{Access, RemoteEndpoint};
 
 pub use super::ids::ListenerId;
@@ -148,15 +150,17 @@ impl Engine {
                 options.private_data.len()
             )));
         }
-        let held = lock(&self.listeners.by_id)
-            .values()
-            .filter(|l| l.session == session)
-            .count();
-        if held >= MAX_LISTENERS_PER_SESSION {
-            return Err(EngineError::InvalidArgument(format!(
-                "session {session} has {held} listeners, the most a session may hold; \
-                 close one (StopListening) first"
-            )));
+        let too_many = || {
+            EngineError::InvalidArgument(format!(
+                "session {session} has {MAX_LISTENERS_PER_SESSION} listeners, the most a \
+                 session may hold; close one (StopListening) first"
+            ))
+        };
+        let held = |map: &BTreeMap<ListenerId, Arc<Listener>>| {
+            map.values().filter(|l| l.session == session).count()
+        };
+        if held(&lock(&self.listeners.by_id)) >= MAX_LISTENERS_PER_SESSION {
+            return Err(too_many());
         }
         let entry = &self.devices[0];
         options.qp.check(entry.device.as_ref())?;
@@ -183,7 +187,16 @@ impl Engine {
             refused: AtomicU64::new(0),
             cm: id,
         });
-        lock(&self.listeners.by_id).insert(listener_id, listener);
+        {
+            // Counted again with the insert: concurrent Listens do not pass the limit.
+            let mut map = lock(&self.listeners.by_id);
+            if held(&map) >= MAX_LISTENERS_PER_SESSION {
+                drop(map);
+                drop(listener);
+                return Err(too_many());
+            }
+            map.insert(listener_id, listener);
+        }
         // The session may have ended meanwhile: its listener goes with it.
         if self.registry.check_own_session(owner, session).is_err() {
             self.listeners.close_sessions(&[session]);
@@ -204,8 +217,10 @@ impl Engine {
 
     /// Takes the next request waiting on listener `id` (`owner`'s), if one waits: makes a
     /// queue pair for it in the listener's session within `limits`, connects it and
-    /// accepts. A request past the quotas is rejected (the peer sees why) and the quota
-    /// error returned. `Ok(None)`: no request waits.
+    /// accepts. A request past the quotas is rejected (the peer sees a fixed phrase saying
+    /// so, nothing of the user) and the quota error returned. A request whose peer gave up
+    /// meanwhile (the accept fails, or is never confirmed) costs nothing more: its queue
+    /// pair is destroyed and the next request is taken. `Ok(None)`: no request waits.
     pub fn accept(
         &self,
         owner: &Owner,
@@ -213,28 +228,49 @@ impl Engine {
         id: ListenerId,
     ) -> Result<Option<(QpHandout, Connected)>, EngineError> {
         let listener = self.own_listener(owner, id)?;
-        let Some(request) = listener.cm.next_request(Duration::ZERO)? else {
-            return Ok(None);
-        };
-        let refuse = |why: &str| {
-            listener.refused.fetch_add(1, Ordering::Relaxed);
-            tracing::info!(listener = %listener.id, address = %listener.address, peer = ?request.id.peer_addr(), "connection request refused: {why}");
-            let _ = request.id.reject(format!("rdmad: {why}").as_bytes());
-        };
-        let Some((device, port)) = request.id.device() else {
-            refuse("the request came through no device");
-            return Err(EngineError::DeviceUnusable(
-                "a connection request arrived on no known device".into(),
-            ));
-        };
-        let served = self.devices.iter().any(|d| d.device.name() == device);
-        if !served {
-            refuse("the request came through a device rdmad does not serve");
-            return Err(EngineError::DeviceUnusable(format!(
-                "a connection request arrived through {device} port {port}, which rdmad \
-                 does not serve"
-            )));
+        loop {
+            let Some(request) = listener.cm.next_request(Duration::ZERO)? else {
+                return Ok(None);
+            };
+            match self.accept_one(owner, limits, &listener, request)? {
+                Some(accepted) => return Ok(Some(accepted)),
+                None => continue,
+            }
         }
+    }
+
+    /// [`Engine::accept`] for one request: `Ok(None)` when its peer is gone.
+    fn accept_one(
+        &self,
+        owner: &Owner,
+        limits: &Limits,
+        listener: &Listener,
+        request: CmRequest,
+    ) -> Result<Option<(QpHandout, Connected)>, EngineError> {
+        let peer = request.id.peer_addr();
+        let refuse = |note: &str, why: &dyn std::fmt::Display| {
+            listener.refused.fetch_add(1, Ordering::Relaxed);
+            tracing::info!(listener = %listener.id, address = %listener.address, peer = ?peer, "connection request refused: {why}");
+            let _ = request.id.reject(note.as_bytes());
+        };
+        let device = request
+            .id
+            .device()
+            .filter(|(name, _)| self.devices.iter().any(|d| d.device.name() == name));
+        let Some((device, port)) = device else {
+            let why = format!(
+                "it arrived through {:?}, which rdmad does not serve",
+                request.id.device()
+            );
+            refuse(
+                "rdmad: the request came through a device rdmad does not serve",
+                &why,
+            );
+            return Err(EngineError::DeviceUnusable(format!(
+                "a connection request to listener {}: {why}",
+                listener.id
+            )));
+        };
         let handout = match self.create_qp(
             owner,
             limits,
@@ -244,47 +280,56 @@ impl Engine {
         ) {
             Ok(h) => h,
             Err(e) => {
-                refuse(&match &e {
-                    EngineError::Quota(_) => format!("refused by the listener's quota: {e}"),
-                    _ => format!("cannot make a queue pair: {e}"),
-                });
+                let note = match e {
+                    EngineError::Quota(_) => "rdmad: refused: the listener is at its quota",
+                    _ => "rdmad: refused: no queue pair could be made for the connection",
+                };
+                refuse(note, &e);
                 return Err(e);
             }
         };
         let qp_id = handout.id;
-        let result = (|| {
+        let connected = (|| {
             let q = self.registry.own_qp(owner, qp_id)?;
             let d = ConnectDefaults::for_device(self.device(&device)?.device.as_ref())?;
             q.qp.to_init(port, remote_rights())?;
             let path = request.id.path()?;
             let remote = apply_path(&q, &path, &d)?;
-            request.id.accept(
-                &ConnParam {
-                    qp_num: q.local.qp_num,
-                    private_data: listener.options.private_data.clone(),
-                    responder_resources: request.initiator_depth.min(d.rd_atomic),
-                    initiator_depth: request.responder_resources.min(d.rd_atomic),
-                    retry_count: d.retry_cnt,
-                    rnr_retry_count: d.rnr_retry,
-                },
-                CONFIRM_TIMEOUT,
-            )?;
-            Ok::<_, EngineError>((q, remote))
+            Ok::<_, EngineError>((q, remote, d))
         })();
-        let (q, remote) = match result {
+        let destroy = || {
+            if let Ok(teardown) = self.registry.destroy_qp(owner, qp_id) {
+                self.release(teardown);
+            }
+        };
+        let (q, remote, d) = match connected {
             Ok(x) => x,
             Err(e) => {
-                refuse(&format!("cannot connect: {e}"));
-                if let Ok(teardown) = self.registry.destroy_qp(owner, qp_id) {
-                    self.release(teardown);
-                }
+                refuse("rdmad: refused: the connection could not be set up", &e);
+                destroy();
                 return Err(e);
             }
         };
+        let accepted = request.id.accept(
+            &ConnParam {
+                qp_num: q.local.qp_num,
+                private_data: listener.options.private_data.clone(),
+                responder_resources: request.initiator_depth.min(d.rd_atomic),
+                initiator_depth: request.responder_resources.min(d.rd_atomic),
+                retry_count: d.retry_cnt,
+                rnr_retry_count: d.rnr_retry,
+            },
+            CONFIRM_TIMEOUT,
+        );
+        if let Err(e) = accepted {
+            tracing::info!(listener = %listener.id, peer = ?peer, "a connection request's peer went away before the connection was made: {e}");
+            destroy();
+            return Ok(None);
+        }
         listener.accepted.fetch_add(1, Ordering::Relaxed);
         let connected = Connected {
             local: request.id.local_addr(),
-            peer: request.id.peer_addr(),
+            peer,
             private_data: request.private_data.clone(),
             peer_qp_num: remote.qp_num,
         };
@@ -311,13 +356,24 @@ impl Engine {
                 private_data.len()
             )));
         }
-        let busy = q.connecting.swap(true, Ordering::AcqRel);
-        let result = self.connect_qp_to(&q, id, to, from, private_data, timeout, busy);
+        if q.connecting.swap(true, Ordering::AcqRel) {
+            return Err(EngineError::InvalidArgument(format!(
+                "queue pair {id} is being connected already (a ConnectTo is under way)"
+            )));
+        }
+        let result = self.connect_qp_to(&q, id, to, from, private_data, timeout);
+        if result.is_err()
+            && q.state() != crate::provider::QpState::Reset
+            && lock(&q.link).is_none()
+        {
+            // Moved part of the way: nothing is connected, and the queue pair is left to
+            // flush (a new ConnectTo needs a new queue pair).
+            let _ = q.qp.to_error();
+        }
         q.connecting.store(false, Ordering::Release);
         result
     }
 
-    #[allow(clippy::too_many_arguments)]
     fn connect_qp_to(
         &self,
         q: &Arc<QueuePairRecord>,
@@ -326,9 +382,8 @@ impl Engine {
         from: Option<SocketAddr>,
         private_data: Vec<u8>,
         timeout: Duration,
-        busy: bool,
     ) -> Result<Connected, EngineError> {
-        let busy = busy || lock(&q.link).is_some() || lock(&q.remote).is_some();
+        let busy = lock(&q.link).is_some() || lock(&q.remote).is_some();
         if busy || q.state() != crate::provider::QpState::Reset {
             return Err(EngineError::InvalidArgument(format!(
                 "queue pair {id} is connected already (or was moved out of RESET); \
@@ -373,15 +428,7 @@ impl Engine {
             },
             left,
         );
-        let reply = match reply {
-            Ok(r) => r,
-            Err(e) => {
-                // Nothing is connected: the queue pair is left in INIT, usable for nothing
-                // but flushing (a new ConnectTo needs a new queue pair).
-                let _ = q.qp.to_error();
-                return Err(e.into());
-            }
-        };
+        let reply = reply?;
         let path = cm_id.path()?;
         let remote = apply_path(q, &path, &d)?;
         cm_id.establish()?;
@@ -405,13 +452,17 @@ fn remote_rights() -> Access {
 
 /// Moves `q` (in INIT) to RTR and RTS with the path rdma_cm chose. rdma_cm leaves the
 /// RNR timer at 0 (655 ms between a peer's retries when no receive is posted); rdmad's
-/// default is used instead, and the device's default depths when the path has none.
+/// default is used instead, and its timeout when the path has none.
 fn apply_path(
     q: &QueuePairRecord,
     path: &CmPath,
     d: &ConnectDefaults,
 ) -> Result<RemoteEndpoint, EngineError> {
+    // The peer's numbers are the peer's: the depths are held to what this end offered (its
+    // device's), the retry count to rdmad's (a peer asking 7 would make Soft-RoCE retry for
+    // ever), as librdmacm does for the queue pairs it makes.
     let mut rtr = path.rtr.clone();
+    rtr.max_dest_rd_atomic = rtr.max_dest_rd_atomic.min(d.rd_atomic);
     if rtr.min_rnr_timer == 0 {
         rtr.min_rnr_timer = d.min_rnr_timer;
     }
@@ -420,6 +471,8 @@ fn apply_path(
     }
     q.qp.to_rtr(&path.remote, &rtr)?;
     let mut rts = path.rts.clone();
+    rts.max_rd_atomic = rts.max_rd_atomic.min(d.rd_atomic);
+    rts.retry_cnt = rts.retry_cnt.min(d.retry_cnt);
     if rts.timeout == 0 {
         rts.timeout = d.timeout;
     }

@@ -125,6 +125,41 @@ struct Pending {
     /// The slot the event thread made for it.
     token: u64,
     event: Event,
+    arrived: Instant,
+}
+
+/// How long a connection request is held for `next_request`: about as long as the peer's
+/// connection manager waits for an answer (its REQ's response timeout, about 4 s, times
+/// 15 tries). A request older than this is refused, so requests whose peers gave up do not
+/// fill a backlog (the kernel tells rdmad nothing of a peer that gave up before the
+/// accept).
+const REQUEST_LIFETIME: Duration = Duration::from_secs(60);
+
+/// Takes the requests of listener `token` that are older than [`REQUEST_LIFETIME`] out of
+/// its queue (and their slots), for [`refuse_all`] once the lock is released.
+fn expire(state: &mut State, token: u64) -> Vec<Pending> {
+    let Some(slot) = state.slots.get_mut(&token) else {
+        return Vec::new();
+    };
+    let now = Instant::now();
+    let mut expired = Vec::new();
+    while slot
+        .requests
+        .front()
+        .is_some_and(|p| now.duration_since(p.arrived) > REQUEST_LIFETIME)
+    {
+        expired.extend(slot.requests.pop_front());
+    }
+    for p in &expired {
+        state.slots.remove(&p.token);
+    }
+    expired
+}
+
+fn refuse_all(requests: Vec<Pending>) {
+    for p in requests {
+        refuse(p.id, b"rdmad: the request waited too long for an accept");
+    }
 }
 
 /// An identifier pointer moved between threads.
@@ -185,8 +220,11 @@ impl Shared {
                 tracing::error!("rdma_cm events can no longer be read: {e}");
                 return;
             }
-            // SAFETY: `raw` is a valid event until acknowledged; it is copied first.
-            let (event, id, listen_id) = unsafe {
+            // SAFETY: `raw` is a valid event until acknowledged; it is copied first, with
+            // the tokens in its identifiers' `context`: until the acknowledgement no
+            // identifier of the event can be destroyed (rdma_destroy_id waits for it), after
+            // it either may be, so they are not read again.
+            let (event, id, token, listener) = unsafe {
                 let e = &*raw;
                 let conn = &e.param.conn;
                 let private_data = if conn.private_data.is_null() {
@@ -205,30 +243,36 @@ impl Shared {
                     responder_resources: conn.responder_resources,
                     initiator_depth: conn.initiator_depth,
                 };
-                (copied, e.id, e.listen_id)
+                let token = |id: *mut rdma_cm_id| {
+                    NonNull::new(id).map_or(0, |id| (*id.as_ptr()).context as u64)
+                };
+                (copied, e.id, token(e.id), token(e.listen_id))
             };
             // SAFETY: `raw` came from rdma_get_cm_event and is acknowledged once.
             unsafe { rdma_ack_cm_event(raw) };
-            self.deliver(event, id, listen_id);
+            self.deliver(event, id, token, listener);
         }
     }
 
-    fn deliver(&self, event: Event, id: *mut rdma_cm_id, listen_id: *mut rdma_cm_id) {
+    /// Hands an acknowledged event to its slot: `token` is its identifier's, `listener` the
+    /// listener's of a connection request. `id` is used only for a connection request,
+    /// whose new identifier no one else knows yet.
+    fn deliver(&self, event: Event, id: *mut rdma_cm_id, token: u64, listener: u64) {
         let Some(id) = NonNull::new(id) else { return };
         if event.kind == ev::RDMA_CM_EVENT_CONNECT_REQUEST {
-            // SAFETY: a listener's identifier stays valid while it has a slot; its token
-            // was written at creation.
-            let token =
-                NonNull::new(listen_id).map_or(0, |l| unsafe { (*l.as_ptr()).context as u64 });
+            let token = listener;
             let mut state = lock(&self.state);
+            let expired = expire(&mut state, token);
             let Some(slot) = state.slots.get_mut(&token) else {
                 drop(state);
+                refuse_all(expired);
                 refuse(RawId(id), b"rdmad: no longer listening");
                 return;
             };
             if slot.requests.len() >= slot.backlog {
                 let note = slot.refusal.clone();
                 drop(state);
+                refuse_all(expired);
                 tracing::info!("connection request refused: the listener's backlog is full");
                 refuse(RawId(id), &note);
                 return;
@@ -243,6 +287,7 @@ impl Shared {
                 id: RawId(id),
                 token: child,
                 event,
+                arrived: Instant::now(),
             });
             let wake = slot.on_request.clone();
             state.slots.insert(
@@ -253,14 +298,13 @@ impl Shared {
                 },
             );
             drop(state);
+            refuse_all(expired);
             self.changed.notify_all();
             if let Some(f) = wake {
                 f();
             }
             return;
         }
-        // SAFETY: identifiers with a slot are valid; the token was written at creation.
-        let token = unsafe { (*id.as_ptr()).context as u64 };
         let ends = matches!(
             event.kind,
             ev::RDMA_CM_EVENT_DISCONNECTED
@@ -407,7 +451,7 @@ impl ConnectionManager for RdmaCm {
             Err(connection_error(format!(
                 "{} {failure} ({})",
                 to.ip(),
-                io::Error::from_raw_os_error(-e.status)
+                status_text(e.status)
             )))
         };
         step(
@@ -728,6 +772,12 @@ impl CmId for VerbsCmId {
         let deadline = Instant::now() + timeout;
         let mut state = lock(&self.shared.state);
         loop {
+            let expired = expire(&mut state, self.token);
+            if !expired.is_empty() {
+                drop(state);
+                refuse_all(expired);
+                state = lock(&self.shared.state);
+            }
             let Some(slot) = state.slots.get_mut(&self.token) else {
                 return Ok(None);
             };
@@ -804,6 +854,16 @@ pub fn describe_private_data(data: &[u8]) -> String {
         String::from_utf8_lossy(text).into_owned()
     } else {
         data.iter().map(|b| format!("{b:02x}")).collect()
+    }
+}
+
+/// An error event's status: a negative errno from the kernel in words, else the number
+/// (librdmacm's own failures report -1).
+fn status_text(status: c_int) -> String {
+    if status < -1 {
+        io::Error::from_raw_os_error(-status).to_string()
+    } else {
+        format!("status {status}")
     }
 }
 
