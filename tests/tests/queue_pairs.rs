@@ -64,6 +64,17 @@ async fn connecting_by_address_says_what_is_wrong() {
         (info["state"].as_str(), info["peer"].as_str()),
         (Some("reset"), Some(""))
     );
+    // A queue pair connected by endpoint is refused, and keeps its connection.
+    a.ok("qp loopback0");
+    let (e0, e1) = (a.ok("endpoint 0"), a.ok("endpoint 1"));
+    a.ok(&format!("connect 0 {e1}"));
+    a.ok(&format!("connect 1 {e0}"));
+    let busy = a.err(
+        "connect-to 0 127.0.0.1 7471",
+        "org.rdmad1.Error.InvalidArgument",
+    );
+    assert!(busy.contains("connected already"), "{busy}");
+    assert_eq!(a.ok("qpinfo 0")["state"], "rts");
 
     // A grant lets the user past the policy (and on to the device's answer).
     let (bus, _d) = start_on(

@@ -362,14 +362,6 @@ impl Engine {
             )));
         }
         let result = self.connect_qp_to(&q, id, to, from, private_data, timeout);
-        if result.is_err()
-            && q.state() != crate::provider::QpState::Reset
-            && lock(&q.link).is_none()
-        {
-            // Moved part of the way: nothing is connected, and the queue pair is left to
-            // flush (a new ConnectTo needs a new queue pair).
-            let _ = q.qp.to_error();
-        }
         q.connecting.store(false, Ordering::Release);
         result
     }
@@ -417,21 +409,33 @@ impl Engine {
         let left = timeout
             .saturating_sub(started.elapsed())
             .max(Duration::from_secs(1));
-        let reply = cm_id.connect(
-            &ConnParam {
-                qp_num: q.local.qp_num,
-                private_data,
-                responder_resources: d.rd_atomic,
-                initiator_depth: d.rd_atomic,
-                retry_count: d.retry_cnt,
-                rnr_retry_count: d.rnr_retry,
-            },
-            left,
-        );
-        let reply = reply?;
-        let path = cm_id.path()?;
-        let remote = apply_path(q, &path, &d)?;
-        cm_id.establish()?;
+        let moved = (|| {
+            let reply = cm_id.connect(
+                &ConnParam {
+                    qp_num: q.local.qp_num,
+                    private_data,
+                    responder_resources: d.rd_atomic,
+                    initiator_depth: d.rd_atomic,
+                    retry_count: d.retry_cnt,
+                    rnr_retry_count: d.rnr_retry,
+                },
+                left,
+            )?;
+            let path = cm_id.path()?;
+            let remote = apply_path(q, &path, &d)?;
+            cm_id.establish()?;
+            Ok::<_, EngineError>((reply, remote))
+        })();
+        let (reply, remote) = match moved {
+            Ok(done) => done,
+            Err(e) => {
+                // Moved part of the way and not connected: the queue pair is left to
+                // flush (a new ConnectTo needs a new queue pair).
+                let _ = q.qp.to_error();
+                *lock(&q.remote) = None;
+                return Err(e);
+            }
+        };
         let connected = Connected {
             local: cm_id.local_addr(),
             peer: cm_id.peer_addr().or(Some(to)),
