@@ -564,6 +564,12 @@ impl VerbsCmId {
         })
     }
 
+    /// The peer's address for messages, or "the peer" when the identifier has none.
+    fn peer_name(&self) -> String {
+        self.peer_addr()
+            .map_or_else(|| "the peer".to_owned(), |a| a.to_string())
+    }
+
     fn qp_attr(&self, state: ibv_qp_state::Type) -> Result<ibv_qp_attr> {
         // SAFETY: plain C data; all-zero bytes are valid.
         let mut attr: ibv_qp_attr = unsafe { zeroed() };
@@ -679,9 +685,7 @@ impl CmId for VerbsCmId {
                 "cannot send the connection request: {e}"
             )));
         }
-        let peer = self
-            .peer_addr()
-            .map_or_else(|| "the peer".to_owned(), |a| a.to_string());
+        let peer = self.peer_name();
         let e = self
             .shared
             .wait(
@@ -727,9 +731,7 @@ impl CmId for VerbsCmId {
             return Err(ProviderError::last_os(CM, "rdma_accept"));
         }
         self.connected.store(true, Ordering::Release);
-        let peer = self
-            .peer_addr()
-            .map_or_else(|| "the peer".to_owned(), |a| a.to_string());
+        let peer = self.peer_name();
         let e = self
             .shared
             .wait(
