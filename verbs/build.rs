@@ -1,7 +1,8 @@
-//! Generates the libibverbs ABI types from the installed `<infiniband/verbs.h>` (Debian's
-//! `libibverbs-dev`), and links the library under libibverbs's soname with its version
-//! nodes (`libibverbs.map`; the symbols get their versions from `.symver` directives in
-//! `src/abi/exports.rs`).
+//! Generates the libibverbs ABI types from the installed `<infiniband/verbs.h>` and
+//! `<infiniband/sa.h>` (Debian's `libibverbs-dev`) and the kernel's forms of the
+//! structures librdmacm converts (`<rdma/ib_user_verbs.h>`, `<rdma/ib_user_sa.h>`), and
+//! links the library under libibverbs's soname with its version nodes (`libibverbs.map`;
+//! the symbols get their versions from `.symver` directives in `src/abi/`).
 
 use std::path::PathBuf;
 
@@ -18,8 +19,15 @@ fn main() {
     link_into_target_dir();
 
     let bindings = bindgen::Builder::default()
-        .header_contents("verbs-abi.h", "#include <infiniband/verbs.h>\n")
+        .header_contents(
+            "verbs-abi.h",
+            "#include <infiniband/verbs.h>\n#include <infiniband/sa.h>\n\
+             #include <rdma/ib_user_verbs.h>\n#include <rdma/ib_user_sa.h>\n",
+        )
         .allowlist_type("ibv_.*")
+        // The kernel's forms of QP attributes, address vectors and path records, which
+        // librdmacm hands to `ibv_copy_*_from_kern`.
+        .allowlist_type("ib_uverbs_qp_attr|ib_uverbs_ah_attr|ib_user_path_rec")
         .allowlist_var("IBV_.*")
         .derive_default(true)
         .layout_tests(false)

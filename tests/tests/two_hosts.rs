@@ -396,11 +396,7 @@ fn wait_for_cm_listener(peer: &Peer, port: u16) {
     let deadline = std::time::Instant::now() + rdmad_tests::TIMEOUT;
     loop {
         let out = peer.run(None, &["rdma", "resource", "show", "cm_id"], &[]);
-        if out
-            .stdout
-            .lines()
-            .any(|l| l.contains("LISTEN") && l.contains(&format!(":{port} ")))
-        {
+        if cm_listens(&out.stdout, port) {
             return;
         }
         assert!(
@@ -409,6 +405,33 @@ fn wait_for_cm_listener(peer: &Peer, port: u16) {
         );
         std::thread::sleep(std::time::Duration::from_millis(100));
     }
+}
+
+/// Waits until an rdma_cm identifier on this host listens on `port`.
+fn wait_for_local_cm_listener(port: u16) {
+    let deadline = std::time::Instant::now() + rdmad_tests::TIMEOUT;
+    loop {
+        let out = std::process::Command::new("rdma")
+            .args(["resource", "show", "cm_id"])
+            .output()
+            .expect("run rdma resource show cm_id");
+        let shown = String::from_utf8_lossy(&out.stdout);
+        if cm_listens(&shown, port) {
+            return;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "no rdma_cm listener on this host's port {port}:\n{shown}"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(100));
+    }
+}
+
+/// Whether `rdma resource show cm_id` printed a listener on `port`.
+fn cm_listens(shown: &str, port: u16) -> bool {
+    shown
+        .lines()
+        .any(|l| l.contains("LISTEN") && l.contains(&format!(":{port} ")))
 }
 
 /// Ten 100-byte messages each way on client `c`'s queue pair `q` (region 0), as
@@ -862,4 +885,150 @@ async fn rxe_a_tenant_flooding_hopeless_connections_does_not_hold_up_another() {
         }
     }
     assert_back(&bus, &before).await;
+}
+
+/// perftest over rdma_cm: `ib_send_bw -R` makes its queue pairs with `rdma_create_qp`,
+/// connects them with `rdma_connect` / `rdma_accept` (librdmacm moves them through INIT,
+/// RTR and RTS with the attributes the kernel's connection manager computes) and exchanges
+/// its parameters over an rdma_cm connection of its own. Unmodified, as `nobody`, through
+/// this host's rdmad against the peer's native one both ways round, then against the
+/// peer's through its own rdmad: every run reports its bandwidth on both sides, and
+/// neither rdmad holds anything of them afterwards.
+#[tokio::test(flavor = "multi_thread")]
+async fn rxe_perftest_over_rdma_cm_through_rdmad() {
+    let _alone = rdmad_tests::ALONE.lock().await;
+    rdma_cm_program_rounds(
+        &CmProgram {
+            args: &["ib_send_bw", "-R", "-d", "rxe0", "-s", "4096", "-n", "200"],
+            server: &[],
+            client: &[],
+            printed: |text| {
+                text.lines()
+                    .any(|l| l.trim_start().starts_with("4096 ") && l.contains("200"))
+            },
+        },
+        18560,
+    )
+    .await;
+}
+
+/// `rping` through rdmad: unmodified, as `nobody`, a client that advertises its buffers,
+/// lets the server READ one and WRITE the other, and checks every byte (`-V`), against the
+/// peer's native `rping` both ways round and against the peer's through its own rdmad —
+/// completion channels, RDMA READ and WRITE by the rkeys rdmad's library handed out, and a
+/// clean disconnect at the end; neither rdmad holds anything of them afterwards.
+#[tokio::test(flavor = "multi_thread")]
+async fn rxe_rping_through_rdmad() {
+    let _alone = rdmad_tests::ALONE.lock().await;
+    rdma_cm_program_rounds(
+        &CmProgram {
+            args: &["rping", "-v", "-V", "-C", "10", "-S", "100"],
+            server: &["-s"],
+            client: &["-c", "-a"],
+            printed: |text| text.matches("ping data: rdma-ping-").count() >= 10,
+        },
+        18570,
+    )
+    .await;
+}
+
+/// An rdma_cm program both ends of which run the same arguments.
+struct CmProgram {
+    args: &'static [&'static str],
+    /// What the server adds.
+    server: &'static [&'static str],
+    /// What the client adds before the server's address.
+    client: &'static [&'static str],
+    /// Whether a side's standard output shows it did its work.
+    printed: fn(&str) -> bool,
+}
+
+/// Runs `program` as `nobody` through this host's rdmad against the peer's native
+/// program, the peer serving and then this host; then against the peer's through its own
+/// rdmad. Each run must succeed on both sides, print its work, and make its queue pairs in
+/// this host's rdmad; afterwards neither rdmad holds anything of them.
+async fn rdma_cm_program_rounds(program: &CmProgram, first_port: u16) {
+    let peer = peer();
+    let (bus, daemon) = start_on("verbs", "").await;
+    let before = object_counts(&bus).await;
+    let peer_rdmad = peer.start_rdmad("");
+    let peer_before = peer_rdmad.settled(0);
+    let rdmactl_path = rdmad_tests::binary("rdmactl");
+    let rdmactl_path = rdmactl_path.to_str().unwrap();
+    let name = program.args[0];
+    let rounds = [
+        ("the native peer serves", false, false),
+        ("this host serves the native peer", true, false),
+        ("the peer serves through its rdmad", false, true),
+    ];
+    for (i, (round, this_host_serves, through_peer_rdmad)) in rounds.into_iter().enumerate() {
+        let port = first_port + i as u16;
+        let port_text = port.to_string();
+        let (here_role, there_role) = if this_host_serves {
+            (program.server, program.client)
+        } else {
+            (program.client, program.server)
+        };
+        let mut local: Vec<&str> =
+            [&["exec", "--"][..], program.args, &["-p", &port_text]].concat();
+        local.extend(here_role);
+        let mut remote: Vec<&str> = if through_peer_rdmad {
+            vec![rdmactl_path, "exec", "--"]
+        } else {
+            vec![]
+        };
+        remote.extend(program.args);
+        remote.extend(["-p", &port_text]);
+        remote.extend(there_role);
+        let peer_env: Vec<(&str, &str)> = if through_peer_rdmad {
+            vec![("RDMAD_BUS_ADDRESS", peer_rdmad.bus.as_str())]
+        } else {
+            vec![]
+        };
+        let peer_uid = through_peer_rdmad.then_some(NOBODY);
+        let created = daemon.stderr().matches("queue pair created").count();
+        let (local_out, remote_out) = if this_host_serves {
+            let server =
+                rdmad_tests::daemon::as_user(Some(NOBODY), &rdmad_tests::binary("rdmactl"))
+                    .args(&local)
+                    .env("RDMAD_BUS_ADDRESS", &bus.address)
+                    .stdout(std::process::Stdio::piped())
+                    .stderr(std::process::Stdio::piped())
+                    .spawn()
+                    .expect("start rdmactl exec");
+            wait_for_local_cm_listener(port);
+            remote.push(&peer.own_address);
+            let client = peer.run(peer_uid, &remote, &peer_env);
+            (server.wait_with_output().expect("server output"), client)
+        } else {
+            let server = peer.spawn(peer_uid, &remote, &peer_env);
+            wait_for_cm_listener(&peer, port);
+            local.push(&peer.address);
+            let client = rdmactl(&bus, Some(NOBODY), &local);
+            (client, server.wait())
+        };
+        let round = format!("{name}, {round}");
+        assert_ran(&remote_out, &round);
+        let printed = assert_local(&local_out, &round);
+        for (text, side) in [(&printed, "this host"), (&remote_out.stdout, "the peer")] {
+            assert!(
+                (program.printed)(text),
+                "{round}: {side} did not print its work:\n{text}"
+            );
+        }
+        assert!(
+            daemon.stderr().matches("queue pair created").count() > created,
+            "{round}: this host's {name} made no queue pair in rdmad:\n{}",
+            daemon.stderr()
+        );
+    }
+    wait_for_sessions(&bus, 0).await;
+    assert_back(&bus, &before).await;
+    let peer_after = peer_rdmad.settled(0);
+    for kind in ["qps", "regions", "mrs", "pds", "sessions"] {
+        assert_eq!(
+            peer_after[kind], peer_before[kind],
+            "the peer's {kind}: {peer_before:?} -> {peer_after:?}"
+        );
+    }
 }

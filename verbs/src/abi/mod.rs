@@ -31,6 +31,7 @@ macro_rules! symver {
 
 mod device;
 mod events;
+mod marshall;
 mod memory;
 mod queues;
 mod registry;

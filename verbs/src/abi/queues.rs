@@ -718,7 +718,9 @@ pub unsafe extern "C" fn __rdmad_ibv_modify_qp(
     }
     let target = attr.qp_state;
     let result = match (q.state, target) {
-        (State::Reset, sys::ibv_qp_state_IBV_QPS_INIT) => {
+        // INIT → INIT (librdmacm's `rdma_connect` and `rdma_accept` start with it) takes
+        // the port and access flags again.
+        (State::Reset | State::Init, sys::ibv_qp_state_IBV_QPS_INIT) => {
             if mask & sys::ibv_qp_attr_mask_IBV_QP_PORT != 0 {
                 q.port = attr.port_num;
             }

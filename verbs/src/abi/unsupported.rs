@@ -186,18 +186,6 @@ pub extern "C" fn __rdmad_ioctl_final_num_attrs() -> c_int {
 }
 
 #[no_mangle]
-pub extern "C" fn __rdmad_ibv_copy_path_rec_from_kern() {}
-
-#[no_mangle]
-pub extern "C" fn __rdmad_ibv_copy_path_rec_to_kern() {}
-
-#[no_mangle]
-pub extern "C" fn __rdmad_ibv_copy_qp_attr_from_kern() {}
-
-#[no_mangle]
-pub extern "C" fn __rdmad_ibv_copy_ah_attr_from_kern() {}
-
-#[no_mangle]
 pub extern "C" fn __rdmad_ibv_unimport_mr() {}
 
 #[no_mangle]
@@ -561,10 +549,6 @@ symver! {
     __rdmad_ibv_read_ibdev_sysfs_file => "ibv_read_ibdev_sysfs_file" @ "IBVERBS_PRIVATE_34";
     __rdmad_ibv_query_qp_data_in_order => "ibv_query_qp_data_in_order" @ "IBVERBS_1.14";
     __rdmad_ioctl_final_num_attrs => "__ioctl_final_num_attrs" @ "IBVERBS_PRIVATE_34";
-    __rdmad_ibv_copy_path_rec_from_kern => "ibv_copy_path_rec_from_kern" @ "IBVERBS_1.0";
-    __rdmad_ibv_copy_path_rec_to_kern => "ibv_copy_path_rec_to_kern" @ "IBVERBS_1.0";
-    __rdmad_ibv_copy_qp_attr_from_kern => "ibv_copy_qp_attr_from_kern" @ "IBVERBS_1.0";
-    __rdmad_ibv_copy_ah_attr_from_kern => "ibv_copy_ah_attr_from_kern" @ "IBVERBS_1.1";
     __rdmad_ibv_unimport_mr => "ibv_unimport_mr" @ "IBVERBS_1.10";
     __rdmad_ibv_unimport_pd => "ibv_unimport_pd" @ "IBVERBS_1.10";
     __rdmad_ibv_unimport_dm => "ibv_unimport_dm" @ "IBVERBS_1.13";
