@@ -555,6 +555,84 @@ async fn rxe_connections_by_address_with_rdma_cm_programs() {
     assert_back(&bus, &before).await;
 }
 
+/// rdmad opens the kernel's connection manager when a call first needs it, and does not
+/// keep a failure: with `rdma_ucm` unloaded (as on a host where rdmad started before the
+/// module was loaded), `Listen` fails and names the module; once it is loaded the same
+/// daemon listens, and `ucmatose` on the peer connects and exchanges its messages.
+#[tokio::test(flavor = "multi_thread")]
+async fn rxe_the_connection_manager_opens_once_its_module_is_loaded() {
+    let _alone = rdmad_tests::ALONE.lock().await;
+    let peer = peer();
+    let (bus, _daemon) = start_on("verbs", "").await;
+    let before = object_counts(&bus).await;
+    {
+        let module = UnloadedModule::new("rdma_ucm");
+        let mut a = Client::start(&bus, Some(NOBODY));
+        a.ok("open");
+        a.ok("alloc default 65536");
+        let listen = format!("listen {} 7490 2", peer.own_address);
+        let why = a.err(&listen, "org.rdmad1.Error.DeviceError");
+        assert!(
+            why.contains("rdma_cm") && why.contains("rdma_ucm"),
+            "the error names what is missing: {why}"
+        );
+        module.load();
+        let listening = a.ok(&listen);
+        let listener = listening[0].as_u64().unwrap();
+        let client = peer.spawn(
+            None,
+            &["ucmatose", "-s", &peer.own_address, "-p", "7490"],
+            &[],
+        );
+        let accepted = a.ok(&format!("accept {listener}"));
+        assert_eq!(accepted[1]["address"], peer.address.as_str(), "{accepted}");
+        ucmatose_exchange(&mut a, 0);
+        a.ok("destroy 0");
+        let out = client.wait();
+        assert!(out.success(), "ucmatose client: {out:?}");
+        a.ok(&format!("stop-listening {listener}"));
+    }
+    assert_back(&bus, &before).await;
+}
+
+/// A kernel module unloaded for a test, loaded again by [`UnloadedModule::load`] or, if
+/// the test fails first, when dropped (so the guest's later tests have it).
+struct UnloadedModule(&'static str);
+
+impl UnloadedModule {
+    fn new(name: &'static str) -> UnloadedModule {
+        let out = std::process::Command::new("rmmod")
+            .arg(name)
+            .output()
+            .expect("run rmmod");
+        assert!(
+            out.status.success(),
+            "rmmod {name}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        UnloadedModule(name)
+    }
+
+    fn load(&self) {
+        let out = std::process::Command::new("modprobe")
+            .arg(self.0)
+            .output()
+            .expect("run modprobe");
+        assert!(
+            out.status.success(),
+            "modprobe {}: {}",
+            self.0,
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+}
+
+impl Drop for UnloadedModule {
+    fn drop(&mut self) {
+        let _ = std::process::Command::new("modprobe").arg(self.0).status();
+    }
+}
+
 /// The next `n` completions of client `c`'s queue pair `q`, each a success, by work
 /// request id.
 fn completions(c: &mut Client, q: usize, n: usize) -> HashMap<u64, serde_json::Value> {

@@ -16,7 +16,7 @@ use std::net::{Ipv4Addr, Ipv6Addr, SocketAddr, SocketAddrV4, SocketAddrV6};
 use std::os::raw::{c_int, c_void};
 use std::ptr::{self, NonNull};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Condvar, Mutex, OnceLock};
+use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
 use rdma_sys::{
@@ -39,15 +39,26 @@ use crate::lock::lock;
 /// What errors name as the device for rdma_cm's own failures.
 const CM: &str = "rdma_cm";
 
-/// The daemon's connection manager, made on first use.
+/// The daemon's connection manager, made on first use. A failure to open it is not
+/// kept: the next call tries again, so loading `rdma_ucm` after rdmad started needs no
+/// restart. A manager whose event thread stopped is replaced the same way (what its
+/// identifiers wait for fails at once; see [`Shared::unanswered`]).
 pub fn connection_manager() -> Result<Arc<dyn ConnectionManager>> {
-    static MANAGER: OnceLock<std::result::Result<Arc<RdmaCm>, String>> = OnceLock::new();
-    match MANAGER.get_or_init(|| RdmaCm::start().map(Arc::new).map_err(|e| e.to_string())) {
-        Ok(cm) => Ok(Arc::clone(cm) as Arc<dyn ConnectionManager>),
+    static MANAGER: Mutex<Option<Arc<RdmaCm>>> = Mutex::new(None);
+    let mut manager = lock(&MANAGER);
+    if let Some(cm) = manager.as_ref().filter(|cm| cm.shared.failure().is_none()) {
+        return Ok(Arc::clone(cm) as Arc<dyn ConnectionManager>);
+    }
+    match RdmaCm::start() {
+        Ok(cm) => {
+            let cm = Arc::new(cm);
+            *manager = Some(Arc::clone(&cm));
+            Ok(cm as Arc<dyn ConnectionManager>)
+        }
         Err(why) => Err(ProviderError::Os {
             device: CM.to_owned(),
             operation: "rdma_create_event_channel",
-            source: io::Error::other(why.clone()),
+            source: why,
         }),
     }
 }
@@ -70,7 +81,8 @@ struct Shared {
 struct Channel(NonNull<rdma_event_channel>);
 
 // SAFETY: an event channel is a file descriptor librdmacm reads from; librdmacm may be
-// called from any thread. The channel is never destroyed (it lives as long as the daemon).
+// called from any thread. The channel is never destroyed (a manager replaced after its
+// event thread stopped keeps its channel for the identifiers made on it).
 unsafe impl Send for Channel {}
 // SAFETY: as above; only `rdma_get_cm_event` (one thread) and `rdma_create_id` (which
 // only records the pointer) use it.
@@ -79,6 +91,8 @@ unsafe impl Sync for Channel {}
 #[derive(Debug, Default)]
 struct State {
     slots: HashMap<u64, Slot>,
+    /// Why the event thread stopped, once it has: nothing more will be delivered.
+    failed: Option<String>,
 }
 
 #[derive(Default)]
@@ -187,7 +201,8 @@ impl RdmaCm {
         let channel = NonNull::new(unsafe { rdma_create_event_channel() }).ok_or_else(|| {
             let e = io::Error::last_os_error();
             io::Error::other(format!(
-                "cannot open the RDMA connection manager (/dev/infiniband/rdma_cm): {e}"
+                "cannot open the RDMA connection manager (/dev/infiniband/rdma_cm; is the \
+                 rdma_ucm module loaded?): {e}"
             ))
         })?;
         let shared = Arc::new(Shared {
@@ -205,7 +220,8 @@ impl RdmaCm {
 }
 
 impl Shared {
-    /// Reads events for ever (the channel lives as long as the daemon).
+    /// Reads events until the channel fails (it never does short of a kernel fault); then
+    /// every wait ends at once and the next `connection_manager()` opens a new one.
     fn run(&self) {
         loop {
             let mut raw: *mut rdma_cm_event = ptr::null_mut();
@@ -217,7 +233,24 @@ impl Shared {
                 if e.kind() == io::ErrorKind::Interrupted {
                     continue;
                 }
-                tracing::error!("rdma_cm events can no longer be read: {e}");
+                tracing::error!(
+                    "rdma_cm events can no longer be read: {e}; the next connection by \
+                     address opens the connection manager again"
+                );
+                // Listeners' waiters wake and hear it (`next_request`).
+                let wake: Vec<_> = {
+                    let mut state = lock(&self.state);
+                    state.failed = Some(e.to_string());
+                    state
+                        .slots
+                        .values()
+                        .filter_map(|slot| slot.on_request.clone())
+                        .collect()
+                };
+                self.changed.notify_all();
+                for f in wake {
+                    f();
+                }
                 return;
             }
             // SAFETY: `raw` is a valid event until acknowledged; it is copied first, with
@@ -344,6 +377,23 @@ impl Shared {
         }
     }
 
+    /// Why the event thread stopped, if it has.
+    fn failure(&self) -> Option<String> {
+        lock(&self.state).failed.clone()
+    }
+
+    /// The error for a wait that ended without its event: `waited` says what did not
+    /// happen in time, unless the event thread stopped, which is said instead.
+    fn unanswered(&self, waited: String) -> ProviderError {
+        match self.failure() {
+            Some(why) => connection_error(format!(
+                "rdmad stopped reading rdma_cm events ({why}); try again: the next \
+                 connection opens the connection manager anew"
+            )),
+            None => connection_error(waited),
+        }
+    }
+
     fn new_slot(&self, slot: Slot) -> u64 {
         let token = self.next_token.fetch_add(1, Ordering::Relaxed);
         lock(&self.state).slots.insert(token, slot);
@@ -352,10 +402,15 @@ impl Shared {
 
     /// Waits up to `timeout` for an event of one of `kinds` on `token`'s slot; other
     /// events are dropped.
+    /// Returns `None` at once once the event thread has stopped (say why with
+    /// [`Shared::unanswered`]).
     fn wait(&self, token: u64, kinds: &[ev::Type], timeout: Duration) -> Option<Event> {
         let deadline = Instant::now() + timeout;
         let mut state = lock(&self.state);
         loop {
+            if state.failed.is_some() {
+                return None;
+            }
             let slot = state.slots.get_mut(&token)?;
             while let Some(e) = slot.events.pop_front() {
                 if kinds.contains(&e.kind) {
@@ -443,7 +498,8 @@ impl ConnectionManager for RdmaCm {
                 .shared
                 .wait(id.token, &[done, failed], timeout + Duration::from_secs(1))
                 .ok_or_else(|| {
-                    connection_error(format!("{doing} {} took longer than {timeout:?}", to.ip()))
+                    id.shared
+                        .unanswered(format!("{doing} {} took longer than {timeout:?}", to.ip()))
                 })?;
             if e.kind == done {
                 return Ok(());
@@ -699,7 +755,10 @@ impl CmId for VerbsCmId {
                 ],
                 timeout,
             )
-            .ok_or_else(|| connection_error(format!("{peer} did not answer within {timeout:?}")))?;
+            .ok_or_else(|| {
+                self.shared
+                    .unanswered(format!("{peer} did not answer within {timeout:?}"))
+            })?;
         match e.kind {
             ev::RDMA_CM_EVENT_CONNECT_RESPONSE | ev::RDMA_CM_EVENT_ESTABLISHED => Ok(CmReply {
                 private_data: e.private_data,
@@ -746,7 +805,7 @@ impl CmId for VerbsCmId {
                 timeout,
             )
             .ok_or_else(|| {
-                connection_error(format!(
+                self.shared.unanswered(format!(
                     "{peer} did not confirm the connection within {timeout:?}"
                 ))
             })?;
@@ -780,9 +839,14 @@ impl CmId for VerbsCmId {
                 refuse_all(expired);
                 state = lock(&self.shared.state);
             }
+            let failed = state.failed.is_some();
             let Some(slot) = state.slots.get_mut(&self.token) else {
                 return Ok(None);
             };
+            if failed && slot.requests.is_empty() {
+                drop(state);
+                return Err(self.shared.unanswered("no connection request".to_owned()));
+            }
             if let Some(p) = slot.requests.pop_front() {
                 drop(state);
                 let id = VerbsCmId::adopt(&self.shared, p.id, p.token);
