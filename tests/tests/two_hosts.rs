@@ -596,11 +596,25 @@ async fn rxe_the_connection_manager_opens_once_its_module_is_loaded() {
 }
 
 /// A kernel module unloaded for a test, loaded again by [`UnloadedModule::load`] or, if
-/// the test fails first, when dropped (so the guest's later tests have it).
-struct UnloadedModule(&'static str);
+/// the test fails first, when dropped (so the guest's later tests have it). Meanwhile the
+/// kernel cannot load modules by itself (`/proc/sys/kernel/modprobe` names no program):
+/// librdmacm's first use asks the kernel where `rdma_cm` is, and the kernel would load
+/// `rdma_ucm` for it.
+struct UnloadedModule {
+    name: &'static str,
+    modprobe: String,
+}
+
+/// Where the kernel finds its module loader.
+const KERNEL_MODPROBE: &str = "/proc/sys/kernel/modprobe";
 
 impl UnloadedModule {
     fn new(name: &'static str) -> UnloadedModule {
+        let modprobe =
+            std::fs::read_to_string(KERNEL_MODPROBE).expect("read the kernel's modprobe");
+        std::fs::write(KERNEL_MODPROBE, "/nonexistent/rdmad-test-no-modprobe\n")
+            .expect("keep the kernel from loading modules");
+        let module = UnloadedModule { name, modprobe };
         let out = std::process::Command::new("rmmod")
             .arg(name)
             .output()
@@ -610,18 +624,18 @@ impl UnloadedModule {
             "rmmod {name}: {}",
             String::from_utf8_lossy(&out.stderr)
         );
-        UnloadedModule(name)
+        module
     }
 
     fn load(&self) {
         let out = std::process::Command::new("modprobe")
-            .arg(self.0)
+            .arg(self.name)
             .output()
             .expect("run modprobe");
         assert!(
             out.status.success(),
             "modprobe {}: {}",
-            self.0,
+            self.name,
             String::from_utf8_lossy(&out.stderr)
         );
     }
@@ -629,7 +643,10 @@ impl UnloadedModule {
 
 impl Drop for UnloadedModule {
     fn drop(&mut self) {
-        let _ = std::process::Command::new("modprobe").arg(self.0).status();
+        let _ = std::process::Command::new("modprobe")
+            .arg(self.name)
+            .status();
+        let _ = std::fs::write(KERNEL_MODPROBE, &self.modprobe);
     }
 }
 

@@ -8,143 +8,176 @@
 
 use super::sys;
 
+// librdmacm hands these a `dst` on its stack that it has not initialised: they write
+// through raw pointers, field by field, and never make a reference to it.
+
 /// # Safety
-/// `dst` and `src` are NULL or point at the structures their types name.
+/// `dst` and `src` are NULL or point at the structures their types name (`dst` may be
+/// uninitialised).
 #[no_mangle]
 pub unsafe extern "C" fn __rdmad_ibv_copy_ah_attr_from_kern(
     dst: *mut sys::ibv_ah_attr,
     src: *const sys::ib_uverbs_ah_attr,
 ) {
-    // SAFETY: the caller passes a `struct ibv_ah_attr` and a `struct ib_uverbs_ah_attr`
-    // (or NULL, which is left alone).
-    let (Some(dst), Some(src)) = (unsafe { dst.as_mut() }, unsafe { src.as_ref() }) else {
+    if dst.is_null() {
+        return;
+    }
+    // SAFETY: `src` is NULL or a `struct ib_uverbs_ah_attr` the kernel filled.
+    let Some(src) = (unsafe { src.as_ref() }) else {
         return;
     };
-    ah_attr_from_kern(dst, src);
-}
-
-fn ah_attr_from_kern(dst: &mut sys::ibv_ah_attr, src: &sys::ib_uverbs_ah_attr) {
-    dst.grh.dgid.raw = src.grh.dgid;
-    dst.grh.flow_label = src.grh.flow_label;
-    dst.grh.sgid_index = src.grh.sgid_index;
-    dst.grh.hop_limit = src.grh.hop_limit;
-    dst.grh.traffic_class = src.grh.traffic_class;
-    dst.dlid = src.dlid;
-    dst.sl = src.sl;
-    dst.src_path_bits = src.src_path_bits;
-    dst.static_rate = src.static_rate;
-    dst.is_global = src.is_global;
-    dst.port_num = src.port_num;
+    // SAFETY: `dst` points at a `struct ibv_ah_attr`, written through the pointer.
+    unsafe { ah_attr_from_kern(dst, src) };
 }
 
 /// # Safety
-/// `dst` and `src` are NULL or point at the structures their types name.
+/// `dst` points at a `struct ibv_ah_attr` (initialised or not).
+unsafe fn ah_attr_from_kern(dst: *mut sys::ibv_ah_attr, src: &sys::ib_uverbs_ah_attr) {
+    // SAFETY: plain stores of integer fields through the caller's pointer.
+    unsafe {
+        (*dst).grh.dgid.raw = src.grh.dgid;
+        (*dst).grh.flow_label = src.grh.flow_label;
+        (*dst).grh.sgid_index = src.grh.sgid_index;
+        (*dst).grh.hop_limit = src.grh.hop_limit;
+        (*dst).grh.traffic_class = src.grh.traffic_class;
+        (*dst).dlid = src.dlid;
+        (*dst).sl = src.sl;
+        (*dst).src_path_bits = src.src_path_bits;
+        (*dst).static_rate = src.static_rate;
+        (*dst).is_global = src.is_global;
+        (*dst).port_num = src.port_num;
+    }
+}
+
+/// # Safety
+/// `dst` and `src` are NULL or point at the structures their types name (`dst` may be
+/// uninitialised; its `qp_state` is left as it is).
 #[no_mangle]
 pub unsafe extern "C" fn __rdmad_ibv_copy_qp_attr_from_kern(
     dst: *mut sys::ibv_qp_attr,
     src: *const sys::ib_uverbs_qp_attr,
 ) {
-    // SAFETY: the caller passes a `struct ibv_qp_attr` and a `struct ib_uverbs_qp_attr`
-    // (or NULL, which is left alone).
-    let (Some(dst), Some(src)) = (unsafe { dst.as_mut() }, unsafe { src.as_ref() }) else {
+    if dst.is_null() {
+        return;
+    }
+    // SAFETY: `src` is NULL or a `struct ib_uverbs_qp_attr` the kernel filled.
+    let Some(src) = (unsafe { src.as_ref() }) else {
         return;
     };
-    dst.cur_qp_state = src.cur_qp_state;
-    dst.path_mtu = src.path_mtu;
-    dst.path_mig_state = src.path_mig_state;
-    dst.qkey = src.qkey;
-    dst.rq_psn = src.rq_psn;
-    dst.sq_psn = src.sq_psn;
-    dst.dest_qp_num = src.dest_qp_num;
-    dst.qp_access_flags = src.qp_access_flags as _;
-    dst.cap.max_send_wr = src.max_send_wr;
-    dst.cap.max_recv_wr = src.max_recv_wr;
-    dst.cap.max_send_sge = src.max_send_sge;
-    dst.cap.max_recv_sge = src.max_recv_sge;
-    dst.cap.max_inline_data = src.max_inline_data;
-    ah_attr_from_kern(&mut dst.ah_attr, &src.ah_attr);
-    ah_attr_from_kern(&mut dst.alt_ah_attr, &src.alt_ah_attr);
-    dst.pkey_index = src.pkey_index;
-    dst.alt_pkey_index = src.alt_pkey_index;
-    dst.en_sqd_async_notify = src.en_sqd_async_notify;
-    dst.sq_draining = src.sq_draining;
-    dst.max_rd_atomic = src.max_rd_atomic;
-    dst.max_dest_rd_atomic = src.max_dest_rd_atomic;
-    dst.min_rnr_timer = src.min_rnr_timer;
-    dst.port_num = src.port_num;
-    dst.timeout = src.timeout;
-    dst.retry_cnt = src.retry_cnt;
-    dst.rnr_retry = src.rnr_retry;
-    dst.alt_port_num = src.alt_port_num;
-    dst.alt_timeout = src.alt_timeout;
+    // SAFETY: `dst` points at a `struct ibv_qp_attr`: plain stores of integer fields
+    // through the pointer, and the two address vectors through pointers to them.
+    unsafe {
+        (*dst).cur_qp_state = src.cur_qp_state;
+        (*dst).path_mtu = src.path_mtu;
+        (*dst).path_mig_state = src.path_mig_state;
+        (*dst).qkey = src.qkey;
+        (*dst).rq_psn = src.rq_psn;
+        (*dst).sq_psn = src.sq_psn;
+        (*dst).dest_qp_num = src.dest_qp_num;
+        (*dst).qp_access_flags = src.qp_access_flags as _;
+        (*dst).cap.max_send_wr = src.max_send_wr;
+        (*dst).cap.max_recv_wr = src.max_recv_wr;
+        (*dst).cap.max_send_sge = src.max_send_sge;
+        (*dst).cap.max_recv_sge = src.max_recv_sge;
+        (*dst).cap.max_inline_data = src.max_inline_data;
+        ah_attr_from_kern(std::ptr::addr_of_mut!((*dst).ah_attr), &src.ah_attr);
+        ah_attr_from_kern(std::ptr::addr_of_mut!((*dst).alt_ah_attr), &src.alt_ah_attr);
+        (*dst).pkey_index = src.pkey_index;
+        (*dst).alt_pkey_index = src.alt_pkey_index;
+        (*dst).en_sqd_async_notify = src.en_sqd_async_notify;
+        (*dst).sq_draining = src.sq_draining;
+        (*dst).max_rd_atomic = src.max_rd_atomic;
+        (*dst).max_dest_rd_atomic = src.max_dest_rd_atomic;
+        (*dst).min_rnr_timer = src.min_rnr_timer;
+        (*dst).port_num = src.port_num;
+        (*dst).timeout = src.timeout;
+        (*dst).retry_cnt = src.retry_cnt;
+        (*dst).rnr_retry = src.rnr_retry;
+        (*dst).alt_port_num = src.alt_port_num;
+        (*dst).alt_timeout = src.alt_timeout;
+    }
 }
 
 /// # Safety
-/// `dst` and `src` are NULL or point at the structures their types name.
+/// `dst` and `src` are NULL or point at the structures their types name (`dst` may be
+/// uninitialised).
 #[no_mangle]
 pub unsafe extern "C" fn __rdmad_ibv_copy_path_rec_from_kern(
     dst: *mut sys::ibv_sa_path_rec,
     src: *const sys::ib_user_path_rec,
 ) {
-    // SAFETY: the caller passes a `struct ibv_sa_path_rec` and a `struct
-    // ib_user_path_rec` (or NULL, which is left alone).
-    let (Some(dst), Some(src)) = (unsafe { dst.as_mut() }, unsafe { src.as_ref() }) else {
+    if dst.is_null() {
+        return;
+    }
+    // SAFETY: `src` is NULL or a `struct ib_user_path_rec` the kernel filled.
+    let Some(src) = (unsafe { src.as_ref() }) else {
         return;
     };
-    dst.dgid.raw = src.dgid;
-    dst.sgid.raw = src.sgid;
-    dst.dlid = src.dlid;
-    dst.slid = src.slid;
-    dst.raw_traffic = src.raw_traffic as _;
-    dst.flow_label = src.flow_label;
-    dst.hop_limit = src.hop_limit;
-    dst.traffic_class = src.traffic_class;
-    dst.reversible = src.reversible as _;
-    dst.numb_path = src.numb_path;
-    dst.pkey = src.pkey;
-    dst.sl = src.sl;
-    dst.mtu_selector = src.mtu_selector;
-    dst.mtu = src.mtu as _;
-    dst.rate_selector = src.rate_selector;
-    dst.rate = src.rate;
-    dst.packet_life_time = src.packet_life_time;
-    dst.preference = src.preference;
-    dst.packet_life_time_selector = src.packet_life_time_selector;
+    // SAFETY: `dst` points at a `struct ibv_sa_path_rec`: plain stores of integer fields
+    // through the pointer.
+    unsafe {
+        (*dst).dgid.raw = src.dgid;
+        (*dst).sgid.raw = src.sgid;
+        (*dst).dlid = src.dlid;
+        (*dst).slid = src.slid;
+        (*dst).raw_traffic = src.raw_traffic as _;
+        (*dst).flow_label = src.flow_label;
+        (*dst).hop_limit = src.hop_limit;
+        (*dst).traffic_class = src.traffic_class;
+        (*dst).reversible = src.reversible as _;
+        (*dst).numb_path = src.numb_path;
+        (*dst).pkey = src.pkey;
+        (*dst).sl = src.sl;
+        (*dst).mtu_selector = src.mtu_selector;
+        (*dst).mtu = src.mtu as _;
+        (*dst).rate_selector = src.rate_selector;
+        (*dst).rate = src.rate;
+        (*dst).packet_life_time = src.packet_life_time;
+        (*dst).preference = src.preference;
+        (*dst).packet_life_time_selector = src.packet_life_time_selector;
+    }
 }
 
 /// # Safety
-/// `dst` and `src` are NULL or point at the structures their types name.
+/// `dst` and `src` are NULL or point at the structures their types name (`dst` may be
+/// uninitialised).
 #[no_mangle]
 pub unsafe extern "C" fn __rdmad_ibv_copy_path_rec_to_kern(
     dst: *mut sys::ib_user_path_rec,
     src: *const sys::ibv_sa_path_rec,
 ) {
-    // SAFETY: the caller passes a `struct ib_user_path_rec` and a `struct
-    // ibv_sa_path_rec` (or NULL, which is left alone).
-    let (Some(dst), Some(src)) = (unsafe { dst.as_mut() }, unsafe { src.as_ref() }) else {
+    if dst.is_null() {
+        return;
+    }
+    // SAFETY: `src` is NULL or an initialised `struct ibv_sa_path_rec`.
+    let Some(src) = (unsafe { src.as_ref() }) else {
         return;
     };
-    // SAFETY: `raw` is the GID unions' only view: 16 bytes.
+    // SAFETY: any 16 bytes are a valid `[u8; 16]`, whichever view of the GIDs was written.
     let (dgid, sgid) = unsafe { (src.dgid.raw, src.sgid.raw) };
-    dst.dgid = dgid;
-    dst.sgid = sgid;
-    dst.dlid = src.dlid;
-    dst.slid = src.slid;
-    dst.raw_traffic = src.raw_traffic as _;
-    dst.flow_label = src.flow_label;
-    dst.hop_limit = src.hop_limit;
-    dst.traffic_class = src.traffic_class;
-    dst.reversible = src.reversible as _;
-    dst.numb_path = src.numb_path;
-    dst.pkey = src.pkey;
-    dst.sl = src.sl;
-    dst.mtu_selector = src.mtu_selector;
-    dst.mtu = src.mtu as _;
-    dst.rate_selector = src.rate_selector;
-    dst.rate = src.rate;
-    dst.packet_life_time = src.packet_life_time;
-    dst.preference = src.preference;
-    dst.packet_life_time_selector = src.packet_life_time_selector;
+    // SAFETY: `dst` points at a `struct ib_user_path_rec`: plain stores of integer fields
+    // through the pointer.
+    unsafe {
+        (*dst).dgid = dgid;
+        (*dst).sgid = sgid;
+        (*dst).dlid = src.dlid;
+        (*dst).slid = src.slid;
+        (*dst).raw_traffic = src.raw_traffic as _;
+        (*dst).flow_label = src.flow_label;
+        (*dst).hop_limit = src.hop_limit;
+        (*dst).traffic_class = src.traffic_class;
+        (*dst).reversible = src.reversible as _;
+        (*dst).numb_path = src.numb_path;
+        (*dst).pkey = src.pkey;
+        (*dst).sl = src.sl;
+        (*dst).mtu_selector = src.mtu_selector;
+        (*dst).mtu = src.mtu as _;
+        (*dst).rate_selector = src.rate_selector;
+        (*dst).rate = src.rate;
+        (*dst).packet_life_time = src.packet_life_time;
+        (*dst).preference = src.preference;
+        (*dst).packet_life_time_selector = src.packet_life_time_selector;
+    }
 }
 
 symver! {
@@ -198,7 +231,7 @@ mod tests {
             (dst.min_rnr_timer, dst.timeout, dst.retry_cnt, dst.rnr_retry),
             (12, 14, 6, 7)
         );
-        // SAFETY: `raw` is the union's only view.
+        // SAFETY: any 16 bytes are a valid `[u8; 16]`.
         assert_eq!(unsafe { dst.ah_attr.grh.dgid.raw }, [0xfd; 16]);
         assert_eq!(
             (
@@ -234,7 +267,7 @@ mod tests {
             __rdmad_ibv_copy_path_rec_from_kern(&mut back, &kern);
         }
         assert_eq!((kern.dgid, kern.sgid), ([1; 16], [2; 16]));
-        // SAFETY: `raw` is the unions' only view.
+        // SAFETY: any 16 bytes are a valid `[u8; 16]`.
         let gids = unsafe { (back.dgid.raw, back.sgid.raw) };
         assert_eq!(gids, ([1; 16], [2; 16]));
         assert_eq!(

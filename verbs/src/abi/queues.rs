@@ -718,8 +718,8 @@ pub unsafe extern "C" fn __rdmad_ibv_modify_qp(
     }
     let target = attr.qp_state;
     let result = match (q.state, target) {
-        // INIT → INIT (librdmacm's `rdma_connect` and `rdma_accept` start with it) takes
-        // the port and access flags again.
+        // INIT → INIT (librdmacm moves a connecting queue pair so before RTR) takes the
+        // port and access flags again.
         (State::Reset | State::Init, sys::ibv_qp_state_IBV_QPS_INIT) => {
             if mask & sys::ibv_qp_attr_mask_IBV_QP_PORT != 0 {
                 q.port = attr.port_num;

@@ -8,7 +8,12 @@
 //! on the same pages, such as a neighbouring heap object or the library's own bus thread's
 //! state — faults, waits in this module's `SIGSEGV` handler until the window closes and
 //! then repeats its write, which lands in the new mapping. Faults anywhere else go to the
-//! handler the program had. The calling thread itself cannot write in the window (its
+//! handler the program had. The handler stays installed after the window: a thread whose
+//! write faulted in the window may take the signal only after the window closed (the
+//! kernel picks the handler when it delivers the signal, not when the write faults), and
+//! the program's own action — the default one kills — must not get it then; such a late
+//! fault is repeated too, a bounded number of times per window, and the program's action
+//! gets whatever still faults after that. The calling thread itself cannot write in the window (its
 //! signals are blocked and the three system calls are issued back to back from registers),
 //! so even a range on its own stack is copied exactly as it is at the move. The library's
 //! own bus thread is parked meanwhile: a write by the kernel (a socket read, `epoll_wait`'s
@@ -26,6 +31,13 @@ static WINDOW: Mutex<()> = Mutex::new(());
 static WINDOW_START: AtomicUsize = AtomicUsize::new(0);
 static WINDOW_END: AtomicUsize = AtomicUsize::new(0);
 static WINDOW_OPEN: AtomicBool = AtomicBool::new(false);
+/// Faults in the last window's range since it closed, repeated on the chance that they
+/// were the window's own, delivered late (reset when a window opens).
+static LATE_FAULTS: AtomicUsize = AtomicUsize::new(0);
+/// How many such faults are repeated before they go to the program's action: a late
+/// window fault succeeds when repeated once, a real one (the program wrote to memory it
+/// made read-only since) faults every time.
+const LATE_FAULT_RETRIES: usize = 1024;
 
 /// The program's own `SIGSEGV` action while ours stands in for it: written under
 /// [`WINDOW`] before ours is installed, read by the handler for faults not ours.
@@ -119,6 +131,7 @@ fn open_window(start: usize, len: usize) -> Window {
     let serial = lock(&WINDOW);
     WINDOW_START.store(start, Ordering::Release);
     WINDOW_END.store(start + len, Ordering::Release);
+    LATE_FAULTS.store(0, Ordering::Release);
     WINDOW_OPEN.store(true, Ordering::Release);
     // SAFETY: sigaction reads `ours` and writes the current action into `current`, both
     // valid; PREVIOUS is written under WINDOW, before our handler is installed.
@@ -153,32 +166,34 @@ fn open_window(start: usize, len: usize) -> Window {
 impl Drop for Window {
     fn drop(&mut self) {
         // Threads waiting in the handler repeat their writes now; the range stays the
-        // window's, so one whose fault is handled only after this still retries.
+        // window's and the handler stays installed, so one whose fault is delivered only
+        // after this still repeats its write (module docs).
         WINDOW_OPEN.store(false, Ordering::Release);
-        // SAFETY: restores this thread's mask and the program's SIGSEGV action, both
-        // saved by `open_window`.
-        unsafe {
-            libc::pthread_sigmask(libc::SIG_SETMASK, &self.mask, std::ptr::null_mut());
-            if let Some(previous) = &*PREVIOUS.0.get() {
-                libc::sigaction(libc::SIGSEGV, previous, std::ptr::null_mut());
-            }
-        }
+        // SAFETY: restores this thread's mask, saved by `open_window`.
+        unsafe { libc::pthread_sigmask(libc::SIG_SETMASK, &self.mask, std::ptr::null_mut()) };
     }
 }
 
-/// The `SIGSEGV` handler while a window is open. A fault in the window's range is a write
-/// to pages being moved: wait for the move, then return so the write is made again. Any
-/// other fault is the program's: its own action decides.
+/// The `SIGSEGV` handler from the first window on. A fault in the window's range is a
+/// write to pages being moved: wait for the move, then return so the write is made again;
+/// after the window, a fault there is repeated up to [`LATE_FAULT_RETRIES`] times (a late
+/// delivery of one from the window). Any other fault is the program's: its own action
+/// decides.
 extern "C" fn on_fault(sig: c_int, info: *mut libc::siginfo_t, context: *mut c_void) {
     // SAFETY: the kernel passes SA_SIGINFO handlers a valid siginfo; for SIGSEGV si_addr
     // is the faulting address.
     let addr = unsafe { (*info).si_addr() } as usize;
     if WINDOW_START.load(Ordering::Acquire) <= addr && addr < WINDOW_END.load(Ordering::Acquire) {
-        while WINDOW_OPEN.load(Ordering::Acquire) {
-            // SAFETY: sched_yield has no preconditions (a system call, signal-safe).
-            unsafe { libc::sched_yield() };
+        if WINDOW_OPEN.load(Ordering::Acquire) {
+            while WINDOW_OPEN.load(Ordering::Acquire) {
+                // SAFETY: sched_yield has no preconditions (a system call, signal-safe).
+                unsafe { libc::sched_yield() };
+            }
+            return;
         }
-        return;
+        if LATE_FAULTS.fetch_add(1, Ordering::AcqRel) < LATE_FAULT_RETRIES {
+            return;
+        }
     }
     // SAFETY: PREVIOUS holds the action the program had when the window opened (always
     // set before this handler is installed); calling it as its flags say is what the

@@ -237,18 +237,33 @@ impl Shared {
                     "rdma_cm events can no longer be read: {e}; the next connection by \
                      address opens the connection manager again"
                 );
-                // Listeners' waiters wake and hear it (`next_request`).
-                let wake: Vec<_> = {
+                // Listeners' waiters wake and hear it (`next_request`); connections are
+                // over as far as rdmad can tell (no disconnect can reach them any more):
+                // their disconnect callbacks run, moving their queue pairs to the error
+                // state.
+                let (wake, ended): (Vec<_>, Vec<_>) = {
                     let mut state = lock(&self.state);
                     state.failed = Some(e.to_string());
-                    state
+                    let wake = state
                         .slots
                         .values()
                         .filter_map(|slot| slot.on_request.clone())
-                        .collect()
+                        .collect();
+                    let ended = state
+                        .slots
+                        .values_mut()
+                        .filter_map(|slot| {
+                            slot.disconnected = true;
+                            slot.on_disconnect.take()
+                        })
+                        .collect();
+                    (wake, ended)
                 };
                 self.changed.notify_all();
                 for f in wake {
+                    f();
+                }
+                for f in ended {
                     f();
                 }
                 return;
@@ -401,21 +416,21 @@ impl Shared {
     }
 
     /// Waits up to `timeout` for an event of one of `kinds` on `token`'s slot; other
-    /// events are dropped.
-    /// Returns `None` at once once the event thread has stopped (say why with
-    /// [`Shared::unanswered`]).
+    /// events are dropped. Returns `None` at once if the event thread has stopped (say why
+    /// with [`Shared::unanswered`]).
     fn wait(&self, token: u64, kinds: &[ev::Type], timeout: Duration) -> Option<Event> {
         let deadline = Instant::now() + timeout;
         let mut state = lock(&self.state);
         loop {
-            if state.failed.is_some() {
-                return None;
-            }
             let slot = state.slots.get_mut(&token)?;
             while let Some(e) = slot.events.pop_front() {
                 if kinds.contains(&e.kind) {
                     return Some(e);
                 }
+            }
+            // Events delivered before the thread stopped are still answers.
+            if state.failed.is_some() {
+                return None;
             }
             let left = deadline.checked_duration_since(Instant::now())?;
             state = self
@@ -843,9 +858,22 @@ impl CmId for VerbsCmId {
             let Some(slot) = state.slots.get_mut(&self.token) else {
                 return Ok(None);
             };
-            if failed && slot.requests.is_empty() {
+            if failed {
+                // A request still queued cannot be connected (its events would never
+                // arrive): refuse them all, and say the listener is over.
+                let requests: Vec<Pending> = slot.requests.drain(..).collect();
+                for p in &requests {
+                    state.slots.remove(&p.token);
+                }
+                let why = state.failed.clone().unwrap_or_default();
                 drop(state);
-                return Err(self.shared.unanswered("no connection request".to_owned()));
+                for p in requests {
+                    refuse(p.id, b"rdmad: no longer listening");
+                }
+                return Err(connection_error(format!(
+                    "rdmad stopped reading rdma_cm events ({why}): this listener hears no \
+                     more requests; stop listening and listen again"
+                )));
             }
             if let Some(p) = slot.requests.pop_front() {
                 drop(state);
