@@ -221,6 +221,19 @@ pub fn rdmactl(bus: &PrivateBus, uid: Option<u32>, args: &[&str]) -> Output {
         .expect("run rdmactl")
 }
 
+/// Starts `rdmactl ARGS` as `uid` (root for `None`) against `bus`, its stdout and stderr
+/// piped: a server that `rdmactl exec` runs while the test starts its client.
+pub fn spawn_rdmactl(bus: &PrivateBus, uid: Option<u32>, args: &[&str]) -> std::process::Child {
+    as_user(uid, &binary("rdmactl"))
+        .args(args)
+        .env("RDMAD_BUS_ADDRESS", &bus.address)
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("start rdmactl")
+}
+
 /// Runs `rdmactl ARGS`, asserts success and returns stdout.
 pub fn rdmactl_ok(bus: &PrivateBus, uid: Option<u32>, args: &[&str]) -> String {
     let out = rdmactl(bus, uid, args);

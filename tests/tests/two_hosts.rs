@@ -11,8 +11,10 @@ use std::collections::HashMap;
 
 use rdmad_tests::across::{assert_back, assert_both_back, connected_across, peer};
 use rdmad_tests::client::{assert_completion, Client};
-use rdmad_tests::daemon::{device_and_gid, object_counts, rdmactl, start_on, wait_for_sessions};
-use rdmad_tests::peer::{Output, Peer, PeerRdmad};
+use rdmad_tests::daemon::{
+    device_and_gid, object_counts, rdmactl, spawn_rdmactl, start_on, wait_for_sessions,
+};
+use rdmad_tests::peer::{Output, Peer, PeerProgram, PeerRdmad};
 use rdmad_tests::NOBODY;
 
 /// The index of `rxe0`'s GID for `address` (an IPv4 address's is `::ffff:a.b.c.d`), from
@@ -219,14 +221,7 @@ async fn programs_across_the_wire(peer_rdmad: Option<&PeerRdmad>) {
             remote.extend(args);
             let peer_uid = peer_rdmad.map(|_| NOBODY);
             let (local_out, remote_out) = if this_host_serves {
-                let server =
-                    rdmad_tests::daemon::as_user(Some(NOBODY), &rdmad_tests::binary("rdmactl"))
-                        .args(&local)
-                        .env("RDMAD_BUS_ADDRESS", &bus.address)
-                        .stdout(std::process::Stdio::piped())
-                        .stderr(std::process::Stdio::piped())
-                        .spawn()
-                        .expect("start rdmactl exec");
+                let server = spawn_rdmactl(&bus, Some(NOBODY), &local);
                 rdmad_tests::wait_for_listener(port).await;
                 remote.push(&peer.own_address);
                 let client = peer.run(peer_uid, &remote, &peer_env);
@@ -434,6 +429,28 @@ fn cm_listens(shown: &str, port: u16) -> bool {
         .any(|l| l.contains("LISTEN") && l.contains(&format!(":{port} ")))
 }
 
+/// `ucmatose` on the peer connects to client `a`'s `listener` (on this host's `port`);
+/// `a` accepts it as its queue pair `qp` and exchanges ucmatose's messages. Returns the
+/// peer's `ucmatose`, which ends when the queue pair goes.
+fn ucmatose_connects(
+    a: &mut Client,
+    peer: &Peer,
+    listener: u64,
+    port: u16,
+    qp: usize,
+) -> PeerProgram {
+    let port = port.to_string();
+    let client = peer.spawn(
+        None,
+        &["ucmatose", "-s", &peer.own_address, "-p", &port],
+        &[],
+    );
+    let accepted = a.ok(&format!("accept {listener}"));
+    assert_eq!(accepted[1]["address"], peer.address.as_str(), "{accepted}");
+    ucmatose_exchange(a, qp);
+    client
+}
+
 /// Ten 100-byte messages each way on client `c`'s queue pair `q` (region 0), as
 /// `ucmatose` exchanges them: receives first, then the sends, then all twenty completions.
 fn ucmatose_exchange(c: &mut Client, q: usize) {
@@ -523,14 +540,7 @@ async fn rxe_connections_by_address_with_rdma_cm_programs() {
         // ucmatose connects to rdmad.
         let listening = a.ok(&format!("listen {} 7480 2", peer.own_address));
         let listener = listening[0].as_u64().unwrap();
-        let client = peer.spawn(
-            None,
-            &["ucmatose", "-s", &peer.own_address, "-p", "7480"],
-            &[],
-        );
-        let accepted = a.ok(&format!("accept {listener}"));
-        assert_eq!(accepted[1]["address"], peer.address.as_str(), "{accepted}");
-        ucmatose_exchange(&mut a, 2);
+        let client = ucmatose_connects(&mut a, &peer, listener, 7480, 2);
         // The quota holds one queue pair: the next request is refused, and says so.
         let second = peer.spawn(
             None,
@@ -579,14 +589,7 @@ async fn rxe_the_connection_manager_opens_once_its_module_is_loaded() {
         module.load();
         let listening = a.ok(&listen);
         let listener = listening[0].as_u64().unwrap();
-        let client = peer.spawn(
-            None,
-            &["ucmatose", "-s", &peer.own_address, "-p", "7490"],
-            &[],
-        );
-        let accepted = a.ok(&format!("accept {listener}"));
-        assert_eq!(accepted[1]["address"], peer.address.as_str(), "{accepted}");
-        ucmatose_exchange(&mut a, 0);
+        let client = ucmatose_connects(&mut a, &peer, listener, 7490, 0);
         a.ok("destroy 0");
         let out = client.wait();
         assert!(out.success(), "ucmatose client: {out:?}");
@@ -1083,14 +1086,7 @@ async fn rdma_cm_program_rounds(program: &CmProgram, first_port: u16) {
         let peer_uid = through_peer_rdmad.then_some(NOBODY);
         let created = daemon.stderr().matches("queue pair created").count();
         let (local_out, remote_out) = if this_host_serves {
-            let server =
-                rdmad_tests::daemon::as_user(Some(NOBODY), &rdmad_tests::binary("rdmactl"))
-                    .args(&local)
-                    .env("RDMAD_BUS_ADDRESS", &bus.address)
-                    .stdout(std::process::Stdio::piped())
-                    .stderr(std::process::Stdio::piped())
-                    .spawn()
-                    .expect("start rdmactl exec");
+            let server = spawn_rdmactl(&bus, Some(NOBODY), &local);
             wait_for_local_cm_listener(port);
             remote.push(&peer.own_address);
             let client = peer.run(peer_uid, &remote, &peer_env);

@@ -339,14 +339,7 @@ mod bodies {
             if events {
                 args.push("-e");
             }
-            let server =
-                rdmad_tests::daemon::as_user(Some(NOBODY), &rdmad_tests::binary("rdmactl"))
-                    .args(&args)
-                    .env("RDMAD_BUS_ADDRESS", &bus.address)
-                    .stdout(std::process::Stdio::piped())
-                    .stderr(std::process::Stdio::piped())
-                    .spawn()
-                    .expect("start the example's server");
+            let server = rdmad_tests::daemon::spawn_rdmactl(&bus, Some(NOBODY), &args);
             rdmad_tests::wait_for_listener(port.parse().unwrap()).await;
             args.push("127.0.0.1");
             let client = rdmactl(&bus, Some(DAEMON_USER), &args);

@@ -98,6 +98,32 @@ pub unsafe extern "C" fn __rdmad_ibv_copy_qp_attr_from_kern(
     }
 }
 
+/// Copies a path record's fields but its GIDs from `$src` to `*$dst` (a raw pointer), in
+/// either direction between verbs' and the kernel's forms (the same names; C's implicit
+/// conversions where the widths differ).
+macro_rules! path_rec_fields {
+    ($dst:expr, $src:expr) => {{
+        let (dst, src) = ($dst, $src);
+        (*dst).dlid = src.dlid;
+        (*dst).slid = src.slid;
+        (*dst).raw_traffic = src.raw_traffic as _;
+        (*dst).flow_label = src.flow_label;
+        (*dst).hop_limit = src.hop_limit;
+        (*dst).traffic_class = src.traffic_class;
+        (*dst).reversible = src.reversible as _;
+        (*dst).numb_path = src.numb_path;
+        (*dst).pkey = src.pkey;
+        (*dst).sl = src.sl;
+        (*dst).mtu_selector = src.mtu_selector;
+        (*dst).mtu = src.mtu as _;
+        (*dst).rate_selector = src.rate_selector;
+        (*dst).rate = src.rate;
+        (*dst).packet_life_time = src.packet_life_time;
+        (*dst).preference = src.preference;
+        (*dst).packet_life_time_selector = src.packet_life_time_selector;
+    }};
+}
+
 /// # Safety
 /// `dst` and `src` are NULL or point at the structures their types name (`dst` may be
 /// uninitialised).
@@ -118,23 +144,7 @@ pub unsafe extern "C" fn __rdmad_ibv_copy_path_rec_from_kern(
     unsafe {
         (*dst).dgid.raw = src.dgid;
         (*dst).sgid.raw = src.sgid;
-        (*dst).dlid = src.dlid;
-        (*dst).slid = src.slid;
-        (*dst).raw_traffic = src.raw_traffic as _;
-        (*dst).flow_label = src.flow_label;
-        (*dst).hop_limit = src.hop_limit;
-        (*dst).traffic_class = src.traffic_class;
-        (*dst).reversible = src.reversible as _;
-        (*dst).numb_path = src.numb_path;
-        (*dst).pkey = src.pkey;
-        (*dst).sl = src.sl;
-        (*dst).mtu_selector = src.mtu_selector;
-        (*dst).mtu = src.mtu as _;
-        (*dst).rate_selector = src.rate_selector;
-        (*dst).rate = src.rate;
-        (*dst).packet_life_time = src.packet_life_time;
-        (*dst).preference = src.preference;
-        (*dst).packet_life_time_selector = src.packet_life_time_selector;
+        path_rec_fields!(dst, src);
     }
 }
 
@@ -160,23 +170,7 @@ pub unsafe extern "C" fn __rdmad_ibv_copy_path_rec_to_kern(
     unsafe {
         (*dst).dgid = dgid;
         (*dst).sgid = sgid;
-        (*dst).dlid = src.dlid;
-        (*dst).slid = src.slid;
-        (*dst).raw_traffic = src.raw_traffic as _;
-        (*dst).flow_label = src.flow_label;
-        (*dst).hop_limit = src.hop_limit;
-        (*dst).traffic_class = src.traffic_class;
-        (*dst).reversible = src.reversible as _;
-        (*dst).numb_path = src.numb_path;
-        (*dst).pkey = src.pkey;
-        (*dst).sl = src.sl;
-        (*dst).mtu_selector = src.mtu_selector;
-        (*dst).mtu = src.mtu as _;
-        (*dst).rate_selector = src.rate_selector;
-        (*dst).rate = src.rate;
-        (*dst).packet_life_time = src.packet_life_time;
-        (*dst).preference = src.preference;
-        (*dst).packet_life_time_selector = src.packet_life_time_selector;
+        path_rec_fields!(dst, src);
     }
 }
 
