@@ -386,47 +386,38 @@ async fn rxe_a_peer_killed_mid_transfer_fails_the_writer_cleanly() {
 }
 
 /// Waits until an rdma_cm listener on `port` shows in `rdma resource show cm_id` on the
-/// peer (rdma_cm listeners are not TCP sockets).
-fn wait_for_cm_listener(peer: &Peer, port: u16) {
+/// peer, or on this host for `None` (rdma_cm listeners are not TCP sockets).
+fn wait_for_cm_listener(peer: Option<&Peer>, port: u16) {
+    let show = ["rdma", "resource", "show", "cm_id"];
     let deadline = std::time::Instant::now() + rdmad_tests::TIMEOUT;
     loop {
-        let out = peer.run(None, &["rdma", "resource", "show", "cm_id"], &[]);
-        if cm_listens(&out.stdout, port) {
+        let shown = match peer {
+            Some(peer) => peer.run(None, &show, &[]).stdout,
+            None => {
+                let out = std::process::Command::new(show[0])
+                    .args(&show[1..])
+                    .output()
+                    .expect("run rdma resource show cm_id");
+                String::from_utf8_lossy(&out.stdout).into_owned()
+            }
+        };
+        if shown
+            .lines()
+            .any(|l| l.contains("LISTEN") && l.contains(&format!(":{port} ")))
+        {
             return;
         }
+        let host = if peer.is_some() {
+            "the peer"
+        } else {
+            "this host"
+        };
         assert!(
             std::time::Instant::now() < deadline,
-            "no rdma_cm listener on the peer's port {port}: {out:?}"
+            "no rdma_cm listener on {host}'s port {port}:\n{shown}"
         );
         std::thread::sleep(std::time::Duration::from_millis(100));
     }
-}
-
-/// Waits until an rdma_cm identifier on this host listens on `port`.
-fn wait_for_local_cm_listener(port: u16) {
-    let deadline = std::time::Instant::now() + rdmad_tests::TIMEOUT;
-    loop {
-        let out = std::process::Command::new("rdma")
-            .args(["resource", "show", "cm_id"])
-            .output()
-            .expect("run rdma resource show cm_id");
-        let shown = String::from_utf8_lossy(&out.stdout);
-        if cm_listens(&shown, port) {
-            return;
-        }
-        assert!(
-            std::time::Instant::now() < deadline,
-            "no rdma_cm listener on this host's port {port}:\n{shown}"
-        );
-        std::thread::sleep(std::time::Duration::from_millis(100));
-    }
-}
-
-/// Whether `rdma resource show cm_id` printed a listener on `port`.
-fn cm_listens(shown: &str, port: u16) -> bool {
-    shown
-        .lines()
-        .any(|l| l.contains("LISTEN") && l.contains(&format!(":{port} ")))
 }
 
 /// `ucmatose` on the peer connects to client `a`'s `listener` (on this host's `port`);
@@ -497,7 +488,7 @@ async fn rxe_connections_by_address_with_rdma_cm_programs() {
     {
         // rdmad connects to ucmatose.
         let server = peer.spawn(None, &["ucmatose", "-p", "7471"], &[]);
-        wait_for_cm_listener(&peer, 7471);
+        wait_for_cm_listener(Some(&peer), 7471);
         let mut a = Client::start(&bus, Some(NOBODY));
         a.ok("open");
         a.ok("alloc default 65536");
@@ -689,7 +680,7 @@ async fn rxe_rping_talks_to_rdmad_both_ways() {
             &["rping", "-s", "-v", "-a", &peer.address, "-p", "7490"],
             &[],
         );
-        wait_for_cm_listener(&peer, 7490);
+        wait_for_cm_listener(Some(&peer), 7490);
         a.ok("qp rxe0 16 16");
         a.ok(&format!("connect-to 0 {} 7490", peer.address));
         a.ok("post 0 recv 0 4096 16 1");
@@ -844,7 +835,7 @@ async fn rxe_the_ping_pong_example_connects_by_address_across_hosts() {
         &[ping_pong, "pong", "200", "--listen", &at],
         &[("RDMAD_BUS_ADDRESS", &peer_rdmad.bus)],
     );
-    wait_for_cm_listener(&peer, 7510);
+    wait_for_cm_listener(Some(&peer), 7510);
     let ping = rdmad_tests::daemon::as_user(Some(NOBODY), std::path::Path::new(ping_pong))
         .args(["ping", "200", "--connect", &at])
         .env("RDMAD_BUS_ADDRESS", &bus.address)
@@ -950,7 +941,7 @@ async fn rxe_a_tenant_flooding_hopeless_connections_does_not_hold_up_another() {
     let before = object_counts(&bus).await;
     {
         let server = peer.spawn(None, &["ucmatose", "-p", "7530"], &[]);
-        wait_for_cm_listener(&peer, 7530);
+        wait_for_cm_listener(Some(&peer), 7530);
         let nowhere = peer
             .address
             .rsplit_once('.')
@@ -1087,13 +1078,13 @@ async fn rdma_cm_program_rounds(program: &CmProgram, first_port: u16) {
         let created = daemon.stderr().matches("queue pair created").count();
         let (local_out, remote_out) = if this_host_serves {
             let server = spawn_rdmactl(&bus, Some(NOBODY), &local);
-            wait_for_local_cm_listener(port);
+            wait_for_cm_listener(None, port);
             remote.push(&peer.own_address);
             let client = peer.run(peer_uid, &remote, &peer_env);
             (server.wait_with_output().expect("server output"), client)
         } else {
             let server = peer.spawn(peer_uid, &remote, &peer_env);
-            wait_for_cm_listener(&peer, port);
+            wait_for_cm_listener(Some(&peer), port);
             local.push(&peer.address);
             let client = rdmactl(&bus, Some(NOBODY), &local);
             (client, server.wait())
