@@ -33,3 +33,29 @@ pub async fn connect(address: Option<&str>) -> zbus::Result<zbus::Connection> {
         Some(addr) => zbus::connection::Builder::address(addr)?.build().await,
     }
 }
+
+/// Opens a direct connection to rdmad over `bus` (a connection to the bus rdmad serves on):
+/// `Manager.OpenDirect`, then a peer-to-peer D-Bus connection on the socket it returns.
+/// The same proxies work on it (their destination is ignored) and every call goes straight
+/// to rdmad, about one bus round trip cheaper than through the bus daemon. It runs as the
+/// caller `bus` identified; sessions opened on it close when it is dropped or the daemon
+/// closes it. Needs a tokio runtime.
+pub async fn connect_direct(bus: &zbus::Connection) -> Result<zbus::Connection, Error> {
+    let manager = proxy::ManagerProxy::new(bus).await?;
+    let fd = manager
+        .open_direct(std::collections::HashMap::new())
+        .await?;
+    let stream = std::os::unix::net::UnixStream::from(std::os::fd::OwnedFd::from(fd));
+    let stream = stream
+        .set_nonblocking(true)
+        .and_then(|()| tokio::net::UnixStream::from_std(stream))
+        .map_err(|e| Error::ZBus(zbus::Error::InputOutput(std::sync::Arc::new(e))))?;
+    // The socket pair is rdmad's own, already tied to the caller: nothing to authenticate.
+    let guid = zbus::Guid::generate();
+    Ok(
+        zbus::connection::Builder::authenticated_socket(stream, guid)?
+            .p2p()
+            .build()
+            .await?,
+    )
+}

@@ -31,6 +31,11 @@ pub trait Manager {
     /// Opens a session bound to this connection: it ends with `Session.Close` or when the
     /// connection leaves the bus, and everything in it is released.
     fn open_session(&self, options: Options<'_>) -> Result<OwnedObjectPath, Error>;
+    /// Opens a direct connection (no options yet): one end of a socket pair on which the
+    /// daemon serves these same objects peer to peer, each call skipping the bus daemon.
+    /// Calls on it run as this caller; sessions opened on it close when it closes. Called
+    /// on the bus; [`crate::connect_direct`] makes the connection.
+    fn open_direct(&self, options: Options<'_>) -> Result<zbus::zvariant::OwnedFd, Error>;
     /// Sessions the caller may see (its user's; all for administrators).
     fn list_sessions(&self) -> Result<Vec<SessionInfo>, Error>;
     /// Regions the caller may see (its user's and those it attached; all for administrators).

@@ -26,7 +26,21 @@ enum Process {
 impl Client {
     /// Starts a client connected to `bus` running as `uid` (root for `None`).
     pub fn start(bus: &PrivateBus, uid: Option<u32>) -> Client {
-        let mut child = as_user(uid, &binary("rdmad-test-client"))
+        Client::spawn(bus, uid, false)
+    }
+
+    /// Starts a client that makes its calls on a direct connection to rdmad (opened over
+    /// `bus`), running as `uid`.
+    pub fn start_direct(bus: &PrivateBus, uid: Option<u32>) -> Client {
+        Client::spawn(bus, uid, true)
+    }
+
+    fn spawn(bus: &PrivateBus, uid: Option<u32>, direct: bool) -> Client {
+        let mut command = as_user(uid, &binary("rdmad-test-client"));
+        if direct {
+            command.env("RDMAD_TEST_DIRECT", "1");
+        }
+        let mut child = command
             .env("RDMAD_BUS_ADDRESS", &bus.address)
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())

@@ -1,6 +1,8 @@
 //! The caller's identity, from the bus daemon's credentials for the sender — never from
 //! method arguments. Unique bus names are never reused, so credentials are cached per name
-//! until the name leaves the bus.
+//! until the name leaves the bus. On a direct connection (`direct.rs`), where messages
+//! carry no sender, the caller is the one the connection was opened for, found by the
+//! connection's GUID.
 
 use std::collections::HashMap;
 use std::sync::Mutex;
@@ -15,6 +17,8 @@ use crate::policy::Caller;
 #[derive(Debug, Default)]
 pub struct CallerCache {
     known: Mutex<HashMap<String, Caller>>,
+    /// The callers of direct connections, by the GUID of their connection.
+    direct: Mutex<HashMap<String, Caller>>,
 }
 
 impl CallerCache {
@@ -23,9 +27,17 @@ impl CallerCache {
         connection: &Connection,
         header: &Header<'_>,
     ) -> Result<Caller, Error> {
-        let sender = header
-            .sender()
-            .ok_or_else(|| Error::NotAuthorized("the message carries no sender".into()))?;
+        let Some(sender) = header.sender() else {
+            // Only a direct connection carries messages without a sender.
+            let direct = (!connection.is_bus()).then(|| {
+                lock(&self.direct)
+                    .get(connection.server_guid().as_str())
+                    .cloned()
+            });
+            return direct
+                .flatten()
+                .ok_or_else(|| Error::NotAuthorized("the message carries no sender".into()));
+        };
         if let Some(known) = lock(&self.known).get(sender.as_str()) {
             return Ok(known.clone());
         }
@@ -47,6 +59,15 @@ impl CallerCache {
         };
         lock(&self.known).insert(caller.bus_name.clone(), caller.clone());
         Ok(caller)
+    }
+
+    /// Makes `caller` the caller of every message on the direct connection `guid`.
+    pub fn add_direct(&self, guid: &str, caller: Caller) {
+        lock(&self.direct).insert(guid.to_owned(), caller);
+    }
+
+    pub fn forget_direct(&self, guid: &str) {
+        lock(&self.direct).remove(guid);
     }
 
     /// Forgets a name that left the bus.

@@ -1,12 +1,13 @@
 //! What every object of the D-Bus layer shares: the engine, the caller cache, the reload
 //! procedure, and publishing and withdrawing the objects of sessions and regions.
 
-use std::sync::Arc;
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, OnceLock};
 
 use rdmad_client::names::{qp_path, region_path, session_path};
 use rdmad_client::Error;
 use zbus::message::Header;
-use zbus::object_server::ObjectServer;
+use zbus::object_server::{Interface, ObjectServer};
 use zbus::Connection;
 
 use super::caller::CallerCache;
@@ -16,6 +17,7 @@ use super::region::RegionObject;
 use super::session::SessionObject;
 use crate::config::Config;
 use crate::engine::{Engine, QpId, RegionId, Removed, SessionId};
+use crate::lock::lock;
 use crate::policy::Caller;
 
 /// Runs engine work that may block — any verbs call (creating, connecting, querying or
@@ -48,6 +50,13 @@ pub struct Context {
     pub reloader: Reloader,
     /// Each user's turns for connecting by address.
     pub connecting: super::addressing::ConnectTurns,
+    /// The open direct connections.
+    pub direct: super::direct::Channels,
+    /// The bus connection's objects, once it is up.
+    pub bus: OnceLock<ObjectServer>,
+    /// Where each object made on a direct connection is served besides the bus: its path →
+    /// that connection's object server.
+    pub served_direct: Mutex<HashMap<String, ObjectServer>>,
 }
 
 impl Context {
@@ -74,10 +83,13 @@ impl Context {
     pub async fn publish_session(
         self: &Arc<Self>,
         server: &ObjectServer,
+        caller: &Caller,
         id: SessionId,
     ) -> zbus::Result<()> {
-        let object = SessionObject::new(Arc::clone(self), id);
-        server.at(session_path(id.0), object).await.map(drop)
+        self.serve(server, caller, session_path(id.0), || {
+            SessionObject::new(Arc::clone(self), id)
+        })
+        .await
     }
 
     /// Serves the object of a region `caller` just allocated. Its session may have been
@@ -91,11 +103,13 @@ impl Context {
         caller: &Caller,
         id: RegionId,
     ) -> Result<(), Error> {
-        let object = RegionObject::new(Arc::clone(self), id);
-        server.at(region_path(id.0), object).await?;
+        self.serve(server, caller, region_path(id.0), || {
+            RegionObject::new(Arc::clone(self), id)
+        })
+        .await?;
         let scope = crate::policy::scope(caller, &self.config());
         if self.engine.region(&caller.owner(), scope, id).is_err() {
-            let _ = server.remove::<RegionObject, _>(region_path(id.0)).await;
+            let _ = self.remove::<RegionObject>(server, region_path(id.0)).await;
             return Err(Error::NoSuchObject(format!(
                 "region {id}: its session was closed while it was being allocated"
             )));
@@ -111,13 +125,35 @@ impl Context {
         caller: &Caller,
         id: QpId,
     ) -> Result<(), Error> {
-        let object = QueuePairObject::new(Arc::clone(self), id);
-        server.at(qp_path(id.0), object).await?;
+        self.serve(server, caller, qp_path(id.0), || {
+            QueuePairObject::new(Arc::clone(self), id)
+        })
+        .await?;
         if !self.engine.owns_qp(&caller.owner(), id) {
-            let _ = server.remove::<QueuePairObject, _>(qp_path(id.0)).await;
+            let _ = self.remove::<QueuePairObject>(server, qp_path(id.0)).await;
             return Err(Error::NoSuchObject(format!(
                 "queue pair {id}: its session was closed while it was being created"
             )));
+        }
+        Ok(())
+    }
+
+    /// Serves an object `caller` made at `path` on the connection it called on (`server`),
+    /// and — when that is a direct connection — on the bus as well, so that administrators
+    /// and tools on the bus reach it as they reach any other.
+    async fn serve<I: Interface>(
+        &self,
+        server: &ObjectServer,
+        caller: &Caller,
+        path: String,
+        make: impl Fn() -> I,
+    ) -> zbus::Result<()> {
+        server.at(path.as_str(), make()).await?;
+        if super::direct::is_direct(&caller.bus_name) {
+            lock(&self.served_direct).insert(path.clone(), server.clone());
+            if let Some(bus) = self.bus.get() {
+                bus.at(path.as_str(), make()).await?;
+            }
         }
         Ok(())
     }
@@ -126,25 +162,51 @@ impl Context {
     /// error: a region or queue pair removed while it was being made is withdrawn by its
     /// publisher (`publish_region`, `publish_qp`).
     pub async fn withdraw(&self, server: &ObjectServer, removed: &Removed) {
-        let served = |r: zbus::Result<bool>| match r {
-            Ok(_) | Err(zbus::Error::InterfaceNotFound) => Ok(()),
-            Err(e) => Err(e),
-        };
         for id in &removed.qps {
-            if let Err(e) = served(server.remove::<QueuePairObject, _>(qp_path(id.0)).await) {
+            if let Err(e) = self.remove::<QueuePairObject>(server, qp_path(id.0)).await {
                 tracing::warn!(qp = %id, "cannot withdraw the queue pair object: {e}");
             }
         }
         for id in &removed.regions {
-            if let Err(e) = served(server.remove::<RegionObject, _>(region_path(id.0)).await) {
+            if let Err(e) = self.remove::<RegionObject>(server, region_path(id.0)).await {
                 tracing::warn!(region = %id, "cannot withdraw the region object: {e}");
             }
         }
         for id in &removed.sessions {
-            if let Err(e) = server.remove::<SessionObject, _>(session_path(id.0)).await {
-                tracing::warn!(session = %id, "cannot withdraw the session object: {e}");
+            match self
+                .remove::<SessionObject>(server, session_path(id.0))
+                .await
+            {
+                Ok(true) => {}
+                Ok(false) => {
+                    tracing::warn!(session = %id, "the session's object was not served")
+                }
+                Err(e) => tracing::warn!(session = %id, "cannot withdraw the session object: {e}"),
             }
         }
+    }
+
+    /// Withdraws the object at `path` wherever it is served: on the bus (or `server`, before
+    /// the bus connection is up) and on the direct connection it was made on. `Ok(false)`
+    /// when nothing served it.
+    async fn remove<I: Interface>(
+        &self,
+        server: &ObjectServer,
+        path: String,
+    ) -> zbus::Result<bool> {
+        let served = |r: zbus::Result<bool>| match r {
+            Ok(_) => Ok(true),
+            Err(zbus::Error::InterfaceNotFound) => Ok(false),
+            Err(e) => Err(e),
+        };
+        let direct = lock(&self.served_direct).remove(&path);
+        let mut found = false;
+        if let Some(direct) = direct {
+            found |= served(direct.remove::<I, _>(path.as_str()).await)?;
+        }
+        let bus = self.bus.get().unwrap_or(server);
+        found |= served(bus.remove::<I, _>(path.as_str()).await)?;
+        Ok(found)
     }
 
     /// A connection left the bus: close its sessions.

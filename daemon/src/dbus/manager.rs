@@ -88,17 +88,37 @@ impl Manager {
         let caller = self.ctx.caller(connection, &header).await?;
         let limits = policy::limits(&caller, &self.ctx.config());
         let id = self.ctx.engine.open_session(&caller.owner(), &limits)?;
-        self.ctx.publish_session(server, id).await?;
+        self.ctx.publish_session(server, &caller, id).await?;
         tracing::info!(session = %id, uid = caller.uid, sender = %caller.bus_name, pid = caller.pid.unwrap_or(0), "session opened");
-        // The caller may have left the bus before the session existed, in which case the
-        // watcher saw nothing to close.
-        let dbus = zbus::fdo::DBusProxy::new(connection).await?;
-        let name = zbus::names::BusName::try_from(caller.bus_name.as_str())
-            .map_err(|e| Error::InvalidArgument(e.to_string()))?;
-        if !dbus.name_has_owner(name).await? {
+        // The caller may have left the bus (or closed its direct connection) before the
+        // session existed, in which case the watcher saw nothing to close.
+        let gone = if super::direct::is_direct(&caller.bus_name) {
+            !self.ctx.direct.is_open(&caller.bus_name)
+        } else {
+            let dbus = zbus::fdo::DBusProxy::new(connection).await?;
+            let name = zbus::names::BusName::try_from(caller.bus_name.as_str())
+                .map_err(|e| Error::InvalidArgument(e.to_string()))?;
+            !dbus.name_has_owner(name).await?
+        };
+        if gone {
             self.ctx.connection_gone(server, &caller.bus_name).await;
         }
         Ok(wire::path(session_path(id.0)))
+    }
+
+    /// Opens a direct connection: returns one end of a socket pair on which rdmad serves
+    /// these same objects peer to peer (no options yet). Calls on it skip the bus daemon;
+    /// they run as this caller, and what is opened on it closes with it.
+    async fn open_direct(
+        &self,
+        options: HashMap<String, OwnedValue>,
+        #[zbus(header)] header: Header<'_>,
+        #[zbus(connection)] connection: &Connection,
+    ) -> Result<zbus::zvariant::OwnedFd, Error> {
+        Options::new("OpenDirect", &options, &[])?;
+        let caller = self.ctx.caller(connection, &header).await?;
+        let fd = super::direct::open(&self.ctx, &caller)?;
+        Ok(fd.into())
     }
 
     /// Sessions the caller may see: its user's, or every session for administrators.

@@ -6,6 +6,7 @@ mod addressing;
 mod caller;
 mod context;
 mod device;
+mod direct;
 mod error;
 mod manager;
 mod options;
@@ -68,6 +69,31 @@ pub enum ServeError {
 pub struct Served {
     pub connection: Connection,
     watcher: tokio::task::JoinHandle<()>,
+    ctx: Arc<Context>,
+}
+
+/// Serves the objects every connection of rdmad's has — the manager (with its object
+/// manager), the devices and the pools — on the connection `builder` makes: the bus
+/// connection and every direct one.
+fn with_objects<'a>(
+    builder: zbus::connection::Builder<'a>,
+    ctx: &Arc<Context>,
+) -> zbus::Result<zbus::connection::Builder<'a>> {
+    let engine = &ctx.engine;
+    let mut builder = builder
+        .serve_at(MANAGER_PATH, ObjectManager)?
+        .serve_at(MANAGER_PATH, Manager::new(Arc::clone(ctx)))?;
+    for name in engine.device_names() {
+        let object = DeviceObject::new(Arc::clone(engine), name);
+        builder = builder.serve_at(object.path(), object)?;
+    }
+    for name in engine.pool_names() {
+        builder = builder.serve_at(
+            rdmad_client::names::pool_path(&name),
+            pool::PoolObject::new(Arc::clone(engine), name),
+        )?;
+    }
+    Ok(builder)
 }
 
 pub async fn serve(
@@ -93,22 +119,13 @@ pub async fn serve(
         callers: caller::CallerCache::default(),
         reloader,
         connecting: addressing::ConnectTurns::default(),
+        direct: direct::Channels::default(),
+        bus: std::sync::OnceLock::new(),
+        served_direct: std::sync::Mutex::default(),
     });
-    let mut builder = builder
-        .map_err(connect_error)?
-        .serve_at(MANAGER_PATH, ObjectManager)?
-        .serve_at(MANAGER_PATH, Manager::new(Arc::clone(&ctx)))?;
-    for name in engine.device_names() {
-        let object = DeviceObject::new(Arc::clone(&engine), name);
-        builder = builder.serve_at(object.path(), object)?;
-    }
-    for name in engine.pool_names() {
-        builder = builder.serve_at(
-            rdmad_client::names::pool_path(&name),
-            pool::PoolObject::new(Arc::clone(&engine), name),
-        )?;
-    }
+    let builder = with_objects(builder.map_err(connect_error)?, &ctx)?;
     let connection = builder.build().await.map_err(connect_error)?;
+    let _ = ctx.bus.set(connection.object_server().clone());
     let watcher = watch_departures(&connection, Arc::clone(&ctx)).await?;
 
     match connection
@@ -118,6 +135,7 @@ pub async fn serve(
         Ok(RequestNameReply::PrimaryOwner | RequestNameReply::AlreadyOwner) => Ok(Served {
             connection,
             watcher,
+            ctx,
         }),
         Ok(RequestNameReply::Exists | RequestNameReply::InQueue) | Err(zbus::Error::NameTaken) => {
             Err(ServeError::NameTaken)
@@ -154,16 +172,21 @@ async fn watch_departures(
     }))
 }
 
-/// Gives up the bus name, then withdraws every object so the object server lets go of the
-/// engine before it is shut down.
+/// Gives up the bus name, closes the direct connections, then withdraws every object so
+/// the object server lets go of the engine before it is shut down.
 pub async fn unserve(served: Served, engine: &Engine) {
     let Served {
         connection,
         watcher,
+        ctx,
     } = served;
     watcher.abort();
     // Wait until the task (and the engine reference it holds) is gone.
     let _ = watcher.await;
+    ctx.direct.close_all().await;
+    // What direct connections served is gone with them.
+    crate::lock::lock(&ctx.served_direct).clear();
+    drop(ctx);
     if let Err(e) = connection.release_name(BUS_NAME).await {
         tracing::warn!("cannot release the bus name: {e}");
     }

@@ -48,9 +48,17 @@
 //!   punch-ring Q | punch N        → {punch, truncate}: fallocate(PUNCH_HOLE) over the
 //!                                 whole ring or region memfd, then ftruncate(0) (errors
 //!                                 as strings, null where it worked)
+//!   directs N                     → {opened, then?}: opens and holds N more direct
+//!                                 connections (`then`: the error that stopped it)
+//!   drop-directs | open-direct-on-direct → null (closes those held | OpenDirect asked on
+//!                                 the connection the client calls on)
+//!   objects                       → the object paths the calls' connection serves
 //!   watch                         → the unique name of rdmad now (starts a DaemonWatch)
 //!   gone                          → {previous, current, message} once that rdmad left
 //!   exit
+//!
+//! With `RDMAD_TEST_DIRECT` set, the client makes every call but `watch` and `gone` on a
+//! direct connection (`rdmad_client::connect_direct`), not through the bus.
 
 use std::io::BufRead;
 use std::os::fd::OwnedFd;
@@ -232,11 +240,19 @@ async fn session_proxy<'a>(c: &zbus::Connection, path: &str) -> Result<SessionPr
 #[tokio::main(flavor = "current_thread")]
 async fn main() {
     let address = std::env::var("RDMAD_BUS_ADDRESS").expect("RDMAD_BUS_ADDRESS");
-    let c = zbus::connection::Builder::address(address.as_str())
+    let bus = zbus::connection::Builder::address(address.as_str())
         .expect("address")
         .build()
         .await
         .expect("connect");
+    // RDMAD_TEST_DIRECT: every call but `watch`/`gone` on a direct connection instead.
+    let c = if std::env::var_os("RDMAD_TEST_DIRECT").is_some() {
+        rdmad_client::connect_direct(&bus)
+            .await
+            .expect("a direct connection")
+    } else {
+        bus.clone()
+    };
     let manager = ManagerProxy::new(&c).await.expect("manager proxy");
     let mut session: Option<String> = None;
     let mut held: Vec<Held> = Vec::new();
@@ -244,6 +260,7 @@ async fn main() {
     let mut rings: Vec<QueuePairRing> = Vec::new();
     let mut ring_fds: Vec<RingFds> = Vec::new();
     let mut watch: Option<DaemonWatch> = None;
+    let mut directs: Vec<zbus::Connection> = Vec::new();
 
     let stdin = std::io::stdin();
     for line in stdin.lock().lines() {
@@ -770,8 +787,44 @@ async fn main() {
                     Ok(serde_json::to_value(manager.get_quota(num(0) as u32).await?).unwrap())
                 }
                 "reload" => manager.reload().await.map(|()| Value::Null),
+                "directs" => {
+                    let mut opened = 0;
+                    for _ in 0..num(0) {
+                        match rdmad_client::connect_direct(&bus).await {
+                            Ok(direct) => {
+                                directs.push(direct);
+                                opened += 1;
+                            }
+                            Err(e) if opened > 0 => {
+                                return Ok(json!({"opened": opened, "then": error_json(e)}))
+                            }
+                            Err(e) => return Err(e),
+                        }
+                    }
+                    Ok(json!({"opened": opened}))
+                }
+                "drop-directs" => {
+                    directs.clear();
+                    Ok(Value::Null)
+                }
+                "open-direct-on-direct" => {
+                    drop(rdmad_client::connect_direct(&c).await?);
+                    Ok(Value::Null)
+                }
+                "objects" => {
+                    let objects = zbus::fdo::ObjectManagerProxy::builder(&c)
+                        .destination(rdmad_client::BUS_NAME)?
+                        .path(rdmad_client::MANAGER_PATH)?
+                        .build()
+                        .await?
+                        .get_managed_objects()
+                        .await?;
+                    let mut paths: Vec<String> = objects.keys().map(|p| p.to_string()).collect();
+                    paths.sort();
+                    Ok(json!(paths))
+                }
                 "watch" => {
-                    let w = DaemonWatch::new(&c).await?;
+                    let w = DaemonWatch::new(&bus).await?;
                     let owner = w.owner().to_owned();
                     watch = Some(w);
                     Ok(json!(owner))
