@@ -16,7 +16,7 @@ use super::queue_pair::QueuePairObject;
 use super::region::RegionObject;
 use super::session::SessionObject;
 use crate::config::Config;
-use crate::engine::{Engine, QpId, RegionId, Removed, SessionId};
+use crate::engine::{Engine, Limits, PoolAccess, QpId, RegionId, Removed, SessionId};
 use crate::lock::lock;
 use crate::policy::Caller;
 
@@ -52,6 +52,8 @@ pub struct Context {
     pub connecting: super::addressing::ConnectTurns,
     /// The open direct connections.
     pub direct: super::direct::Channels,
+    /// What policy grants each connection's caller under the configuration in force.
+    pub grants: Mutex<HashMap<String, Arc<Grants>>>,
     /// The bus connection's objects, once it is up.
     pub bus: OnceLock<ObjectServer>,
     /// Where each object made on a direct connection is served besides the bus: its path →
@@ -59,7 +61,38 @@ pub struct Context {
     pub served_direct: Mutex<HashMap<String, ObjectServer>>,
 }
 
+/// What the policy grants a caller — its quota limits and the pools it may use — under
+/// one configuration. Working it out looks users and groups up (NSS, which may block), so
+/// it is done once per connection and configuration, off the bus threads.
+pub struct Grants {
+    config: Arc<Config>,
+    pub limits: Limits,
+    pub pools: PoolAccess,
+}
+
 impl Context {
+    /// The grants of `caller`: cached per connection while the configuration stays the
+    /// same; worked out on a blocking thread when not.
+    pub async fn grants(&self, caller: &Caller) -> Result<Arc<Grants>, Error> {
+        let config = self.config();
+        if let Some(known) = lock(&self.grants).get(&caller.bus_name) {
+            if Arc::ptr_eq(&known.config, &config) {
+                return Ok(Arc::clone(known));
+            }
+        }
+        let who = caller.clone();
+        let grants = Arc::new(
+            self.blocking(move |e| Grants {
+                limits: crate::policy::limits(&who, &config),
+                pools: crate::policy::pool_access(&who, &e.pool_configs()),
+                config,
+            })
+            .await?,
+        );
+        lock(&self.grants).insert(caller.bus_name.clone(), Arc::clone(&grants));
+        Ok(grants)
+    }
+
     pub async fn caller(
         &self,
         connection: &Connection,
@@ -86,7 +119,7 @@ impl Context {
         caller: &Caller,
         id: SessionId,
     ) -> zbus::Result<()> {
-        self.serve(server, caller, session_path(id.0), || {
+        self.serve(server, caller, session_path(id.0), true, || {
             SessionObject::new(Arc::clone(self), id)
         })
         .await
@@ -103,7 +136,7 @@ impl Context {
         caller: &Caller,
         id: RegionId,
     ) -> Result<(), Error> {
-        self.serve(server, caller, region_path(id.0), || {
+        self.serve(server, caller, region_path(id.0), false, || {
             RegionObject::new(Arc::clone(self), id)
         })
         .await?;
@@ -125,7 +158,7 @@ impl Context {
         caller: &Caller,
         id: QpId,
     ) -> Result<(), Error> {
-        self.serve(server, caller, qp_path(id.0), || {
+        self.serve(server, caller, qp_path(id.0), false, || {
             QueuePairObject::new(Arc::clone(self), id)
         })
         .await?;
@@ -138,20 +171,23 @@ impl Context {
         Ok(())
     }
 
-    /// Serves an object `caller` made at `path` on the connection it called on (`server`),
-    /// and — when that is a direct connection — on the bus as well, so that administrators
-    /// and tools on the bus reach it as they reach any other.
+    /// Serves an object `caller` made at `path` on the connection it called on (`server`).
+    /// When that is a direct connection and `on_bus` is set (sessions), on the bus as well,
+    /// so that administrators and tools on the bus reach it (`rdmactl session close`); a
+    /// direct connection's regions and queue pairs are served on it alone, which keeps the
+    /// bus out of their allocation.
     async fn serve<I: Interface>(
         &self,
         server: &ObjectServer,
         caller: &Caller,
         path: String,
+        on_bus: bool,
         make: impl Fn() -> I,
     ) -> zbus::Result<()> {
         server.at(path.as_str(), make()).await?;
         if super::direct::is_direct(&caller.bus_name) {
             lock(&self.served_direct).insert(path.clone(), server.clone());
-            if let Some(bus) = self.bus.get() {
+            if let (true, Some(bus)) = (on_bus, self.bus.get()) {
                 bus.at(path.as_str(), make()).await?;
             }
         }
@@ -212,6 +248,7 @@ impl Context {
     /// A connection left the bus: close its sessions.
     pub async fn connection_gone(&self, server: &ObjectServer, bus_name: &str) {
         self.callers.forget(bus_name);
+        lock(&self.grants).remove(bus_name);
         let name = bus_name.to_owned();
         let removed = match self.blocking(move |e| e.close_sessions_of(&name)).await {
             Ok(removed) => removed,

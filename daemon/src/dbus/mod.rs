@@ -120,6 +120,7 @@ pub async fn serve(
         reloader,
         connecting: addressing::ConnectTurns::default(),
         direct: direct::Channels::default(),
+        grants: std::sync::Mutex::default(),
         bus: std::sync::OnceLock::new(),
         served_direct: std::sync::Mutex::default(),
     });

@@ -141,16 +141,28 @@ impl SessionObject {
     ) -> Result<(OwnedObjectPath, OwnedFd, u64), Error> {
         Options::new("AllocateRegion", &options, &[])?;
         let caller = self.ctx.caller(connection, &header).await?;
-        let (id, config, allocating, pool) =
-            (self.id, self.ctx.config(), caller.clone(), pool.to_owned());
-        let handout = self
-            .ctx
-            .blocking(move |e| {
-                let limits = policy::limits(&allocating, &config);
-                let pools = policy::pool_access(&allocating, &e.pool_configs());
-                e.allocate(&allocating.owner(), &limits, &pools, id, &pool, size)
-            })
-            .await??;
+        let grants = self.ctx.grants(&caller).await?;
+        let owner = caller.owner();
+        // A warm region is handed out here; only making one waits, off the bus threads.
+        let warm = self.ctx.engine.allocate_warm(
+            &owner,
+            &grants.limits,
+            &grants.pools,
+            self.id,
+            pool,
+            size,
+        )?;
+        let handout = match warm {
+            Some(handout) => handout,
+            None => {
+                let (id, pool) = (self.id, pool.to_owned());
+                self.ctx
+                    .blocking(move |e| {
+                        e.allocate(&owner, &grants.limits, &grants.pools, id, &pool, size)
+                    })
+                    .await??
+            }
+        };
         self.ctx
             .publish_region(server, &caller, handout.region)
             .await?;

@@ -162,14 +162,10 @@ impl Pool {
         let size = self.round(size)?;
         {
             let mut state = lock(&self.state);
-            if let Some(class) = self.class_of(size) {
-                if let Some(mr) = state.warm[class].pop() {
-                    state.used += size;
-                    state.regions += 1;
-                    drop(state);
-                    self.refill.poke();
-                    return Ok(Allocation { mr, warm: true });
-                }
+            if let Some(mr) = self.pop_warm(&mut state, size) {
+                drop(state);
+                self.refill.poke();
+                return Ok(Allocation { mr, warm: true });
             }
             self.reserve(&mut state, size)?;
         }
@@ -183,6 +179,25 @@ impl Pool {
         // A cold allocation means the warm set ran dry.
         self.refill.poke();
         Ok(Allocation { mr, warm: false })
+    }
+
+    /// Takes a warm region of (rounded) `size` bytes if one is ready, `None` if not: never
+    /// makes one, so it never waits for the device. The caller has already checked quotas.
+    pub fn take_warm(&self, size: u64) -> Result<Option<Allocation>, PoolError> {
+        let size = self.round(size)?;
+        let mr = self.pop_warm(&mut lock(&self.state), size);
+        Ok(mr.map(|mr| {
+            self.refill.poke();
+            Allocation { mr, warm: true }
+        }))
+    }
+
+    /// A warm region of the class of `size` (already rounded), counted as used.
+    fn pop_warm(&self, state: &mut PoolState, size: u64) -> Option<Arc<dyn MemoryRegion>> {
+        let mr = state.warm[self.class_of(size)?].pop()?;
+        state.used += size;
+        state.regions += 1;
+        Some(mr)
     }
 
     /// Returns a freed region's capacity. The region itself is dropped by its owner.

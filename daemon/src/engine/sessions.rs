@@ -74,6 +74,34 @@ impl Engine {
         }
     }
 
+    /// [`Engine::allocate`] from the pool's warm set alone, which never waits: no device
+    /// call, no wait for memory on its way out — locks held only for bookkeeping, so it
+    /// may run on a thread that serves the bus. `Ok(None)` when that is not enough (no
+    /// warm region of the size is ready, or the quota or pool has room only once released
+    /// memory is gone): then [`Engine::allocate`], off the bus threads.
+    pub fn allocate_warm(
+        &self,
+        owner: &Owner,
+        limits: &Limits,
+        pools: &PoolAccess,
+        session: SessionId,
+        pool: &str,
+        size: u64,
+    ) -> Result<Option<Handout>, EngineError> {
+        let pool = self.pool(pool)?;
+        match self
+            .registry
+            .allocate_warm(owner, limits, pools, session, pool, size)
+        {
+            Err(EngineError::Quota(_) | EngineError::Pool(PoolError::Exhausted { .. }))
+                if self.releaser.pending() =>
+            {
+                Ok(None)
+            }
+            result => result,
+        }
+    }
+
     /// Frees region `id` (`owner`'s connection's); returns what was removed. Returns once
     /// nothing can reach the region any more; its registration and memory are released
     /// behind the return (see `releaser`).

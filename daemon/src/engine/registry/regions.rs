@@ -63,6 +63,35 @@ impl Registry {
         pool: &Arc<Pool>,
         size: u64,
     ) -> Result<Handout, EngineError> {
+        self.allocate_from(owner, limits, pools, session, pool, size, false)
+            .map(|handout| handout.expect("a pool that may make a region always hands one out"))
+    }
+
+    /// Like [`Registry::allocate`], but only from the pool's warm set: `Ok(None)` (and
+    /// nothing changed) when no warm region of the size is ready.
+    pub fn allocate_warm(
+        &self,
+        owner: &Owner,
+        limits: &Limits,
+        pools: &PoolAccess,
+        session: SessionId,
+        pool: &Arc<Pool>,
+        size: u64,
+    ) -> Result<Option<Handout>, EngineError> {
+        self.allocate_from(owner, limits, pools, session, pool, size, true)
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn allocate_from(
+        &self,
+        owner: &Owner,
+        limits: &Limits,
+        pools: &PoolAccess,
+        session: SessionId,
+        pool: &Arc<Pool>,
+        size: u64,
+        warm_only: bool,
+    ) -> Result<Option<Handout>, EngineError> {
         check_pool_access(pool, pools)?;
         let rounded = pool.round(size)?;
         {
@@ -83,8 +112,17 @@ impl Registry {
                 ],
             )
         };
-        let allocation = match pool.allocate(rounded) {
-            Ok(a) => a,
+        let taken = if warm_only {
+            pool.take_warm(rounded)
+        } else {
+            pool.allocate(rounded).map(Some)
+        };
+        let allocation = match taken {
+            Ok(Some(a)) => a,
+            Ok(None) => {
+                unreserve(self);
+                return Ok(None);
+            }
             Err(e) => {
                 unreserve(self);
                 return Err(e.into());
@@ -137,12 +175,12 @@ impl Registry {
             },
         );
         Self::refresh_rights(&s, session);
-        Ok(Handout {
+        Ok(Some(Handout {
             region: id,
             fd,
             size: rounded,
             access: AttachMode::ReadWrite,
-        })
+        }))
     }
 
     /// The region, if `owner`'s connection owns it (through its session).

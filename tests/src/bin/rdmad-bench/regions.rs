@@ -246,6 +246,11 @@ struct Series {
     /// `GetId` and `Peer.Ping` once each per warm iteration, right before it.
     get_id: Vec<Duration>,
     ping: Vec<Duration>,
+    /// The same warm series on a direct connection: `Peer.Ping` on it, `AllocateRegion`,
+    /// `Free` + close.
+    direct_ping: Vec<Duration>,
+    direct_alloc: Vec<Duration>,
+    direct_free: Vec<Duration>,
 }
 
 struct Floors<'a> {
@@ -425,9 +430,26 @@ pub async fn run(args: impl Iterator<Item = String>) -> Result<()> {
     let bench = Bench {
         connection: connection.clone(),
         session,
-        warm_pool,
+        warm_pool: warm_pool.clone(),
         full: WARM * SIZES.len() as u64,
     };
+    // A direct connection (Manager.OpenDirect) with a session of its own.
+    let direct_connection = rdmad_client::connect_direct(&connection).await?;
+    let direct_session = ManagerProxy::new(&direct_connection)
+        .await?
+        .open_session(Options::new())
+        .await?;
+    let direct = Bench {
+        connection: direct_connection.clone(),
+        session: SessionProxy::builder(&direct_connection)
+            .path(direct_session)?
+            .cache_properties(CacheProperties::No)
+            .build()
+            .await?,
+        warm_pool,
+        full: bench.full,
+    };
+    let direct_peer = zbus::fdo::PeerProxy::new(&direct_connection, BUS_NAME, MANAGER_PATH).await?;
     let filled = bench.wait_full().await?;
     println!(
         "warm set full ({} regions) {:.1} s after the daemon owned its name",
@@ -459,6 +481,9 @@ pub async fn run(args: impl Iterator<Item = String>) -> Result<()> {
             fresh: Vec::new(),
             get_id: Vec::new(),
             ping: Vec::new(),
+            direct_ping: Vec::new(),
+            direct_alloc: Vec::new(),
+            direct_free: Vec::new(),
         };
         let started = Instant::now();
         for i in 0..WARMUP + n {
@@ -466,6 +491,11 @@ pub async fn run(args: impl Iterator<Item = String>) -> Result<()> {
             let (get_id, ping) = floors.sample().await?;
             let (alloc, free) = bench.alloc_free(WARM_POOL, size).await?;
             let wait = bench.wait_full().await?;
+            let start = Instant::now();
+            direct_peer.ping().await?;
+            let direct_ping = start.elapsed();
+            let (direct_alloc, direct_free) = direct.alloc_free(WARM_POOL, size).await?;
+            bench.wait_full().await?;
             if i >= WARMUP {
                 series.warm.push(alloc + free);
                 series.warm_alloc.push(alloc);
@@ -473,6 +503,9 @@ pub async fn run(args: impl Iterator<Item = String>) -> Result<()> {
                 series.refill_wait.push(wait);
                 series.get_id.push(get_id);
                 series.ping.push(ping);
+                series.direct_ping.push(direct_ping);
+                series.direct_alloc.push(direct_alloc);
+                series.direct_free.push(direct_free);
             }
         }
         // The same, but Free only once the replacement region is made: what Free costs
@@ -505,6 +538,7 @@ pub async fn run(args: impl Iterator<Item = String>) -> Result<()> {
         results.push(series);
     }
     bench.session.close().await?;
+    direct.session.close().await?;
 
     println!();
     println!("All times in µs, median (p90).");
@@ -576,5 +610,40 @@ pub async fn run(args: impl Iterator<Item = String>) -> Result<()> {
     println!("GetId: org.freedesktop.DBus.GetId, answered by the bus daemon; Peer.Ping: answered");
     println!("by rdmad's connection with no work. Both on the benchmark's connection, once each");
     println!("right before every warm iteration; ÷ columns are ratios of the medians.");
+    println!();
+    println!("The same warm calls on a direct connection (Manager.OpenDirect), right after each");
+    println!("bus iteration, from the same warm set; GetId and the bus's alloc+free from the");
+    println!("same iterations (µs, median (p90)):");
+    println!();
+    println!(
+        "| size | GetId | Peer.Ping, direct | AllocateRegion, direct | ÷ GetId | Free + close, \
+         direct | ÷ GetId | alloc+free, direct | alloc+free, bus | bus ÷ direct |"
+    );
+    println!("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
+    for s in &results {
+        let get_id = stats(&s.get_id);
+        let (alloc, free) = (stats(&s.direct_alloc), stats(&s.direct_free));
+        let pairs: Vec<Duration> = s
+            .direct_alloc
+            .iter()
+            .zip(&s.direct_free)
+            .map(|(a, f)| *a + *f)
+            .collect();
+        let (pair, bus_pair) = (stats(&pairs), stats(&s.warm));
+        let per = |x: Stats, y: Stats| ratio(x.median.as_secs_f64() / y.median.as_secs_f64());
+        println!(
+            "| {} | {} | {} | {} | {} | {} | {} | {} | {} | {} |",
+            size_name(s.size),
+            cell(get_id),
+            cell(stats(&s.direct_ping)),
+            cell(alloc),
+            per(alloc, get_id),
+            cell(free),
+            per(free, get_id),
+            cell(pair),
+            cell(bus_pair),
+            per(bus_pair, pair)
+        );
+    }
     Ok(())
 }
