@@ -1,5 +1,6 @@
-//! Fuzzing the D-Bus surface: several `rdmad-fuzz-dbus` processes (root and `nobody`) call
-//! every method of every interface with random well- and ill-typed arguments while a
+//! Fuzzing the D-Bus surface: several `rdmad-fuzz-dbus` processes (root and `nobody`, on
+//! the bus and on direct connections) call every method of every interface with random
+//! well- and ill-typed arguments while a
 //! well-behaved client of a third user keeps doing real work. The daemon must answer every
 //! call with a method return or a documented error, never panic, keep serving the
 //! well-behaved client, and be back to its starting state once the fuzzers are gone.
@@ -25,8 +26,14 @@ use serde_json::Value;
 /// well under 30 s with other tests running beside it.
 const DEFAULT_CALLS: u64 = 5000;
 
-/// The fuzzer processes: `None` runs as root (an administrator), `Some(uid)` as that user.
-const FUZZERS: [Option<u32>; 4] = [None, Some(NOBODY), None, Some(NOBODY)];
+/// The fuzzer processes: `None` runs as root (an administrator), `Some(uid)` as that user;
+/// `true`: its calls go on direct connections (`--direct`), not through the bus daemon.
+const FUZZERS: [(Option<u32>, bool); 4] = [
+    (None, false),
+    (Some(NOBODY), false),
+    (None, true),
+    (Some(NOBODY), true),
+];
 
 /// The well-behaved client's user (`daemon`); the fuzzers running as root never close its
 /// sessions (`--spare-uid`), everything else they may do.
@@ -207,8 +214,11 @@ async fn fuzzed_calls_never_break_the_daemon() {
 
     let started = Instant::now();
     let mut fuzzers = Vec::new();
-    for (i, uid) in FUZZERS.iter().enumerate() {
+    for (i, (uid, direct)) in FUZZERS.iter().enumerate() {
         let mut command = tokio::process::Command::from(as_user(*uid, &binary("rdmad-fuzz-dbus")));
+        if *direct {
+            command.arg("--direct");
+        }
         command
             .args(["--bus", &bus.address])
             .args(["--seed", &seed.wrapping_add(i as u64).to_string()])

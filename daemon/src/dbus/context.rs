@@ -56,9 +56,9 @@ pub struct Context {
     pub grants: Mutex<HashMap<String, Arc<Grants>>>,
     /// The bus connection's objects, once it is up.
     pub bus: OnceLock<ObjectServer>,
-    /// Where each object made on a direct connection is served besides the bus: its path →
-    /// that connection's object server.
-    pub served_direct: Mutex<HashMap<String, ObjectServer>>,
+    /// The objects made on direct connections: path → the name of the direct connection
+    /// that serves it.
+    pub served_direct: Mutex<HashMap<String, String>>,
 }
 
 /// What the policy grants a caller — its quota limits and the pools it may use — under
@@ -186,7 +186,7 @@ impl Context {
     ) -> zbus::Result<()> {
         server.at(path.as_str(), make()).await?;
         if super::direct::is_direct(&caller.bus_name) {
-            lock(&self.served_direct).insert(path.clone(), server.clone());
+            lock(&self.served_direct).insert(path.clone(), caller.bus_name.clone());
             if let (true, Some(bus)) = (on_bus, self.bus.get()) {
                 bus.at(path.as_str(), make()).await?;
             }
@@ -223,8 +223,8 @@ impl Context {
     }
 
     /// Withdraws the object at `path` wherever it is served: on the bus (or `server`, before
-    /// the bus connection is up) and on the direct connection it was made on. `Ok(false)`
-    /// when nothing served it.
+    /// the bus connection is up) and on the direct connection it was made on, while that is
+    /// open. `Ok(false)` when nothing served it.
     async fn remove<I: Interface>(
         &self,
         server: &ObjectServer,
@@ -235,10 +235,18 @@ impl Context {
             Err(zbus::Error::InterfaceNotFound) => Ok(false),
             Err(e) => Err(e),
         };
-        let direct = lock(&self.served_direct).remove(&path);
+        let channel = lock(&self.served_direct).remove(&path);
         let mut found = false;
-        if let Some(direct) = direct {
-            found |= served(direct.remove::<I, _>(path.as_str()).await)?;
+        if let Some(direct) = channel.and_then(|name| self.direct.server_of(&name)) {
+            // The object leaves the tree before its InterfacesRemoved is sent; a direct
+            // connection that is closing fails only the signal.
+            match served(direct.remove::<I, _>(path.as_str()).await) {
+                Ok(f) => found |= f,
+                Err(e) => {
+                    found = true;
+                    tracing::debug!(path, "withdrawn from a closing direct connection: {e}");
+                }
+            }
         }
         let bus = self.bus.get().unwrap_or(server);
         found |= served(bus.remove::<I, _>(path.as_str()).await)?;

@@ -56,13 +56,11 @@ impl Channels {
         lock(&self.state).open.contains_key(name)
     }
 
-    /// The object servers of every served channel.
-    pub fn servers(&self) -> Vec<ObjectServer> {
-        lock(&self.state)
-            .open
-            .values()
-            .filter_map(|c| c.connection.as_ref().map(|c| c.object_server().clone()))
-            .collect()
+    /// The object server of channel `name`, while it is open and served.
+    pub fn server_of(&self, name: &str) -> Option<ObjectServer> {
+        let state = lock(&self.state);
+        let connection = state.open.get(name)?.connection.as_ref()?;
+        Some(connection.object_server().clone())
     }
 
     /// Closes every channel and waits until none runs (the daemon is stopping).

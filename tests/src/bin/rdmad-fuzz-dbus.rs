@@ -3,7 +3,8 @@
 //!
 //! ```text
 //! rdmad-fuzz-dbus --bus ADDRESS [--seed N] [--calls N] [--workers N] [--connections N]
-//!                 [--spare-uid UID]... [--timeout SECS] [--quiet] [--verbose] [--summary]
+//!                 [--direct] [--spare-uid UID]... [--timeout SECS] [--quiet] [--verbose]
+//!                 [--summary]
 //! ```
 //!
 //! It discovers the objects by introspection (`Introspect` from `/org/rdmad1` down, and
@@ -36,6 +37,10 @@
 //! `org.freedesktop.zbus.Error` for arguments it cannot decode before any rdmad code runs,
 //! which is counted ("undecodable") and reported. No reply within `--timeout` seconds
 //! (default 60), `NoReply`, or the daemon leaving the bus is a failure.
+//!
+//! `--direct`: every connection is a direct one (`Manager.OpenDirect` on a fresh bus
+//! connection, then peer to peer), so the calls reach rdmad without the bus daemon between
+//! — nothing checks their messages on the way.
 //!
 //! `--spare-uid UID` (repeatable): never call `Session.Close` on a session of that user that
 //! this process did not open (asked with `Session.GetInfo` first), so a well-behaved
@@ -98,6 +103,7 @@ struct Args {
     calls: u64,
     workers: usize,
     connections: usize,
+    direct: bool,
     spare_uids: Vec<u32>,
     timeout: Duration,
     quiet: bool,
@@ -108,8 +114,8 @@ struct Args {
 fn usage() -> ! {
     eprintln!(
         "usage: rdmad-fuzz-dbus --bus ADDRESS [--seed N] [--calls N] [--workers N] \
-         [--connections N] [--spare-uid UID]... [--timeout SECS] [--quiet] [--verbose] \
-         [--summary]"
+         [--connections N] [--direct] [--spare-uid UID]... [--timeout SECS] [--quiet] \
+         [--verbose] [--summary]"
     );
     std::process::exit(3)
 }
@@ -123,6 +129,7 @@ fn parse_args() -> Args {
         calls: 10_000,
         workers: 4,
         connections: 2,
+        direct: false,
         spare_uids: Vec::new(),
         timeout: Duration::from_secs(60),
         quiet: false,
@@ -141,6 +148,7 @@ fn parse_args() -> Args {
             "--calls" => args.calls = num(value()),
             "--workers" => args.workers = num::<usize>(value()).max(1),
             "--connections" => args.connections = num::<usize>(value()).max(1),
+            "--direct" => args.direct = true,
             "--spare-uid" => args.spare_uids.push(num(value())),
             "--timeout" => args.timeout = Duration::from_secs(num(value())),
             "--quiet" => args.quiet = true,
@@ -1636,6 +1644,18 @@ async fn connect(address: &str) -> zbus::Result<Connection> {
     zbus::connection::Builder::address(address)?.build().await
 }
 
+/// A connection to call on: to the bus, or with `--direct` a direct one to rdmad opened
+/// over a bus connection made for it.
+async fn connect_for_calls(args: &Args) -> Result<Connection, String> {
+    let bus = connect(&args.bus).await.map_err(|e| e.to_string())?;
+    if !args.direct {
+        return Ok(bus);
+    }
+    rdmad_client::connect_direct(&bus)
+        .await
+        .map_err(|e| format!("cannot open a direct connection: {e}"))
+}
+
 enum Outcome {
     Ok(Vec<Value<'static>>, String),
     Error(String, String),
@@ -2191,13 +2211,11 @@ async fn worker(shared: Arc<Shared>, index: usize, seed: u64) {
     while shared.remaining.load(Ordering::Relaxed) > 0 && !shared.failed.load(Ordering::Relaxed) {
         // Now and then, replace the connection while the others use it.
         if rng.chance(0.002) {
-            let fresh = match connect(&shared.args.bus).await {
+            let fresh = match connect_for_calls(&shared.args).await {
                 Ok(c) => c,
                 Err(e) => {
                     let mut known = shared.known.lock().expect("known lock");
-                    known
-                        .failures
-                        .push(format!("cannot reconnect to the bus: {e}"));
+                    known.failures.push(format!("cannot reconnect: {e}"));
                     shared.failed.store(true, Ordering::Relaxed);
                     return;
                 }
@@ -2255,7 +2273,7 @@ async fn main() {
     );
     let mut slots = Vec::new();
     for _ in 0..args.connections {
-        match connect(&args.bus).await {
+        match connect_for_calls(&args).await {
             Ok(connection) => slots.push(Mutex::new(Slot {
                 connection,
                 generation: 0,
