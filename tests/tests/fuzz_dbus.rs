@@ -21,14 +21,16 @@ use rdmad_tests::daemon::{as_user, object_counts, start_on, wait_for_sessions};
 use rdmad_tests::{binary, NOBODY, TIMEOUT};
 use serde_json::Value;
 
-/// Calls per fuzzer process when `RDMAD_FUZZ_CALLS` is unset: with the four fuzzers below
-/// the whole test takes about 10 s in a debug build on 2 CPUs (about 2000 calls/s in all),
+/// Calls per fuzzer process when `RDMAD_FUZZ_CALLS` is unset: with the six fuzzers below
+/// the whole test takes about 10 s in a debug build on 2 CPUs (about 3000 calls/s in all),
 /// well under 30 s with other tests running beside it.
 const DEFAULT_CALLS: u64 = 5000;
 
 /// The fuzzer processes: `None` runs as root (an administrator), `Some(uid)` as that user;
 /// `true`: its calls go on direct connections (`--direct`), not through the bus daemon.
-const FUZZERS: [(Option<u32>, bool); 4] = [
+const FUZZERS: [(Option<u32>, bool); 6] = [
+    (None, false),
+    (Some(NOBODY), false),
     (None, false),
     (Some(NOBODY), false),
     (None, true),
@@ -371,6 +373,7 @@ fn assert_every_method_called(totals: &Totals) {
                 "GetDevice",
                 "Reload",
                 "OpenSession",
+                "OpenDirect",
                 "ListSessions",
                 "ListRegions",
                 "ListQueuePairs",
