@@ -640,6 +640,9 @@ mod bodies {
             serde_json::from_str(&rdmactl_ok(&bus, None, &["-j", "session"])).unwrap();
         for s in sessions.as_array().unwrap() {
             assert_eq!(s["command"], "ibv_rc_pingpong", "{s}");
+            // The library calls on a direct connection, opened over its bus connection.
+            let connection = s["bus_name"].as_str().unwrap();
+            assert!(connection.contains("/direct"), "{s}");
         }
         client.kill().unwrap();
         client.wait().unwrap();

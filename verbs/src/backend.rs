@@ -1,7 +1,9 @@
 //! The library's connection to rdmad: one bus connection per process, opened on first use
-//! on the bus `RDMAD_BUS_ADDRESS` names (else the system bus), driven by a one-thread
+//! on the bus `RDMAD_BUS_ADDRESS` names (else the system bus), and over it a direct
+//! connection to rdmad (`Manager.OpenDirect`) that every call goes on, skipping the bus
+//! daemon; the bus connection only watches rdmad's name. Both are driven by a one-thread
 //! runtime the library owns. The verbs calls are synchronous, so each one blocks the
-//! calling thread on its bus call ([`Backend::block_on`]).
+//! calling thread on its call ([`Backend::block_on`]).
 
 use std::sync::OnceLock;
 
@@ -28,6 +30,10 @@ pub struct DeviceInfo {
 
 pub struct Backend {
     runtime: tokio::runtime::Runtime,
+    /// The bus connection: rdmad's name is watched on it.
+    bus: zbus::Connection,
+    /// Where the calls go: the direct connection, or the bus connection when rdmad offers
+    /// none (an rdmad older than `Manager.OpenDirect`).
     connection: zbus::Connection,
 }
 
@@ -68,11 +74,26 @@ impl Backend {
             .enable_all()
             .build()
             .map_err(|e| format!("cannot start the library's bus thread: {e}"))?;
-        let connection = runtime
+        let bus_connection = runtime
             .block_on(rdmad_client::connect(None))
             .map_err(|e| format!("cannot connect to the {bus} bus, where rdmad serves: {e}"))?;
+        let connection = match runtime.block_on(rdmad_client::connect_direct(&bus_connection)) {
+            Ok(direct) => direct,
+            Err(rdmad_client::Error::ZBus(zbus::Error::MethodError(name, _, _)))
+                if name.as_str() == "org.freedesktop.DBus.Error.UnknownMethod" =>
+            {
+                bus_connection.clone()
+            }
+            Err(e) => {
+                return Err(format!(
+                    "cannot open a direct connection to rdmad on the {bus} bus: {}",
+                    e.message()
+                ))
+            }
+        };
         Ok(Backend {
             runtime,
+            bus: bus_connection,
             connection,
         })
     }
@@ -81,7 +102,7 @@ impl Backend {
     /// instance serving now leaves the bus, or at once if none serves now.
     pub fn watch_daemon(&self, on_gone: impl FnOnce(String) + Send + 'static) {
         // The watch starts before this returns: a departure right after is not missed.
-        match self.block_on(rdmad_client::DaemonWatch::new(&self.connection)) {
+        match self.block_on(rdmad_client::DaemonWatch::new(&self.bus)) {
             Ok(mut watch) => {
                 self.runtime
                     .spawn(async move { on_gone(watch.gone().await.to_string()) });
