@@ -16,7 +16,9 @@
 //! - **alloc+free beside a registration**: the same, while one more client allocates and
 //!   frees 16 MiB regions from a pool without warm regions, so the daemon registers fresh
 //!   memory all the while. If a call waited behind another client's registration, its
-//!   latency would grow by a registration's time.
+//!   latency would grow by a registration's time;
+//! - **alloc+free, direct**: the alloc+free series with each client on a direct connection
+//!   (`Manager.OpenDirect`) instead of the bus (up to 64 clients: the per-user limit).
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Barrier};
@@ -120,7 +122,12 @@ fn daemon_config(args: &Args, device: &str, max_clients: usize) -> String {
 enum Op {
     GetId,
     AllocFree,
+    /// AllocFree on a direct connection.
+    AllocFreeDirect,
 }
+
+/// The most direct connections one user (the benchmark's) may hold.
+const MAX_DIRECT: usize = 64;
 
 /// Runs one client on its own thread, runtime and connection; it waits at `start`, runs
 /// `op` until `stop` is set, and returns how long each call (or pair) took.
@@ -151,13 +158,17 @@ async fn run_client(
     start: Arc<Barrier>,
     stop: Arc<AtomicBool>,
 ) -> Result<Vec<Duration>> {
-    let connection = zbus::connection::Builder::address(address.as_str())?
+    let bus_connection = zbus::connection::Builder::address(address.as_str())?
         .build()
         .await?;
-    let bus = zbus::fdo::DBusProxy::new(&connection).await?;
+    let bus = zbus::fdo::DBusProxy::new(&bus_connection).await?;
+    let connection = match op {
+        Op::AllocFreeDirect => rdmad_client::connect_direct(&bus_connection).await?,
+        Op::GetId | Op::AllocFree => bus_connection.clone(),
+    };
     let session = match op {
         Op::GetId => None,
-        Op::AllocFree => {
+        Op::AllocFree | Op::AllocFreeDirect => {
             let manager = ManagerProxy::new(&connection).await?;
             let path = manager.open_session(Options::new()).await?;
             Some(
@@ -306,8 +317,11 @@ pub async fn run(args: impl Iterator<Item = String>) -> Result<()> {
         let get_id = series(&bus.address, n, Op::GetId, false, args.seconds)?;
         let alone = series(&bus.address, n, Op::AllocFree, false, args.seconds)?;
         let beside = series(&bus.address, n, Op::AllocFree, true, args.seconds)?;
+        let direct = (n <= MAX_DIRECT)
+            .then(|| series(&bus.address, n, Op::AllocFreeDirect, false, args.seconds))
+            .transpose()?;
         eprintln!("rdmad-bench: {n} clients done");
-        rows.push((n, get_id, alone, beside));
+        rows.push((n, get_id, alone, beside, direct));
     }
 
     println!();
@@ -317,12 +331,23 @@ pub async fn run(args: impl Iterator<Item = String>) -> Result<()> {
     println!();
     println!(
         "| clients | GetId/s | GetId µs | alloc+free/s | ÷ GetId/s | alloc+free µs \
-         | beside a registration: alloc+free/s | µs | its 16 MiB registrations/s |"
+         | beside a registration: alloc+free/s | µs | its 16 MiB registrations/s \
+         | direct: alloc+free/s | ÷ GetId/s | µs |"
     );
-    println!("|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
-    for (n, get_id, alone, beside) in &rows {
+    println!("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
+    for (n, get_id, alone, beside, direct) in &rows {
+        let direct = match direct {
+            Some(d) => format!(
+                "{:.0} | {:.2} | {} ({})",
+                d.per_second,
+                d.per_second / get_id.per_second,
+                us(d.median),
+                us(d.p99)
+            ),
+            None => format!("— (over {MAX_DIRECT} clients) | — | —"),
+        };
         println!(
-            "| {n} | {:.0} | {} ({}) | {:.0} | {:.2} | {} ({}) | {:.0} | {} ({}) | {:.1} |",
+            "| {n} | {:.0} | {} ({}) | {:.0} | {:.2} | {} ({}) | {:.0} | {} ({}) | {:.1} | {direct} |",
             get_id.per_second,
             us(get_id.median),
             us(get_id.p99),
@@ -340,6 +365,7 @@ pub async fn run(args: impl Iterator<Item = String>) -> Result<()> {
     println!("Each client: its own thread, runtime, bus connection and session. alloc+free: a");
     println!("4 KiB region from a warm pool, freed, its descriptor closed. The neighbour");
     println!("allocates and frees 16 MiB regions from a pool without warm regions, so the");
-    println!("daemon registers fresh memory for every one of them.");
+    println!("daemon registers fresh memory for every one of them. direct: the alloc+free series");
+    println!("with every client on a direct connection (Manager.OpenDirect) instead of the bus.");
     Ok(())
 }
