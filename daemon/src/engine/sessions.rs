@@ -2,6 +2,10 @@
 
 use super::*;
 
+/// How often an allocation refused for want of room waits for queued releases and tries
+/// again before the refusal stands.
+const SETTLE_ATTEMPTS: u32 = 16;
+
 impl Engine {
     /// Opens a session for `owner`, within `limits`.
     pub fn open_session(&self, owner: &Owner, limits: &Limits) -> Result<SessionId, EngineError> {
@@ -58,19 +62,24 @@ impl Engine {
         size: u64,
     ) -> Result<Handout, EngineError> {
         let pool = self.pool(pool)?;
-        match self
-            .registry
-            .allocate(owner, limits, pools, session, pool, size)
-        {
-            // Memory on its way out still counts: wait for it, then try once more.
-            Err(EngineError::Quota(_) | EngineError::Pool(PoolError::Exhausted { .. }))
-                if self.releaser.pending() =>
+        let mut waits = 0;
+        loop {
+            match self
+                .registry
+                .allocate(owner, limits, pools, session, pool, size)
             {
-                self.settled();
-                self.registry
-                    .allocate(owner, limits, pools, session, pool, size)
+                // Memory on its way out still counts: wait for it, then try again. Others
+                // may take the room first (a user's many clients freeing and allocating at
+                // once), so this repeats while releases are queued, a bounded number of
+                // times.
+                Err(EngineError::Quota(_) | EngineError::Pool(PoolError::Exhausted { .. }))
+                    if waits < SETTLE_ATTEMPTS && self.releaser.pending() =>
+                {
+                    waits += 1;
+                    self.settled();
+                }
+                result => return result,
             }
-            result => result,
         }
     }
 
