@@ -119,3 +119,29 @@ pub async fn wait_for_listener(port: u16) {
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
 }
+
+/// A child process that is killed (and reaped) when the guard is dropped, so a failing test
+/// leaves no program running behind it.
+pub struct KillOnDrop(pub std::process::Child);
+
+impl std::ops::Deref for KillOnDrop {
+    type Target = std::process::Child;
+    fn deref(&self) -> &std::process::Child {
+        &self.0
+    }
+}
+
+impl std::ops::DerefMut for KillOnDrop {
+    fn deref_mut(&mut self) -> &mut std::process::Child {
+        &mut self.0
+    }
+}
+
+impl Drop for KillOnDrop {
+    fn drop(&mut self) {
+        if let Ok(None) = self.0.try_wait() {
+            let _ = self.0.kill();
+            let _ = self.0.wait();
+        }
+    }
+}

@@ -438,7 +438,7 @@ mod bodies {
                 .env("RDMAD_BUS_ADDRESS", &bus.address)
                 .stdout(std::process::Stdio::null())
                 .stderr(std::process::Stdio::piped());
-            command.spawn().expect("start rdmactl exec")
+            rdmad_tests::KillOnDrop(command.spawn().expect("start rdmactl exec"))
         };
         let mut server = neighbour(None);
         rdmad_tests::wait_for_listener(port.parse().unwrap()).await;
@@ -607,7 +607,7 @@ mod bodies {
                 .env("RDMAD_BUS_ADDRESS", &bus.address)
                 .stdout(std::process::Stdio::null())
                 .stderr(std::process::Stdio::null());
-            command.spawn().expect("start rdmactl exec")
+            rdmad_tests::KillOnDrop(command.spawn().expect("start rdmactl exec"))
         };
         let mut server = spawn(NOBODY, None);
         rdmad_tests::wait_for_listener(port.parse().unwrap()).await;
