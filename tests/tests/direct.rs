@@ -103,6 +103,9 @@ async fn a_direct_connection_serves_the_callers_objects_under_its_quota() {
     let rtt = alice.ok("rtt 0 1 0 100");
     assert_eq!(rtt["count"], 100, "{rtt}");
 
+    // A queue pair on the bus too, so that the stop below withdraws both kinds.
+    bob.ok(&format!("qp {dev} 16"));
+
     // OpenDirect belongs on the bus.
     let again = alice.err("open-direct-on-direct", "org.rdmad1.Error.InvalidArgument");
     assert!(again.contains("called on the bus"), "{again}");
@@ -197,4 +200,66 @@ async fn one_user_cannot_exhaust_direct_connections() {
     d.wait_for_log("direct connection closed", 64).await;
     let again = hog.ok("directs 1");
     assert_eq!(again["opened"], 1, "{again}");
+}
+
+/// A peer writes the headers of a direct connection: a sender it makes up changes nothing.
+/// Naming an administrator's bus connection gets it neither the administrator's view nor
+/// the administrator's rights; naming a connection rdmad never saw sends rdmad asking the
+/// peer for credentials nowhere.
+#[tokio::test]
+async fn a_made_up_sender_on_a_direct_connection_is_ignored() {
+    let (bus, _d) = daemon().await;
+    let mut admin = Client::start(&bus, None);
+    admin.ok("open");
+    let admin_name = admin.ok("whoami");
+    let admin_name = admin_name.as_str().unwrap();
+    let mut hog = Client::start_direct(&bus, Some(NOBODY));
+    hog.ok("open");
+    assert_eq!(
+        hog.ok(&format!("forged {admin_name} ListSessions")),
+        serde_json::json!([NOBODY]),
+        "the caller's own sessions only"
+    );
+    let refused = hog.err(
+        &format!("forged {admin_name} Reload"),
+        "org.rdmad1.Error.NotAuthorized",
+    );
+    assert!(
+        refused.contains("Reload needs administrator rights"),
+        "{refused}"
+    );
+    assert_eq!(
+        hog.ok("forged :1.99999 ListSessions"),
+        serde_json::json!([NOBODY])
+    );
+    // The administrator is still what it was.
+    assert_eq!(admin.ok("sessions").as_array().unwrap().len(), 2);
+}
+
+/// A peer that sends calls on a direct connection and never reads the replies is read no
+/// further once its calls awaiting replies reach their bound: its own writes stop, the
+/// daemon holds a bounded backlog, another user's calls go on, and the daemon still stops
+/// cleanly with it connected.
+#[tokio::test]
+async fn a_peer_that_never_reads_its_replies_is_not_read_either() {
+    let (bus, mut d) = daemon().await;
+    let mut hog = Client::start(&bus, Some(NOBODY));
+    let written = hog.ok("flood-direct 200000").as_u64().unwrap();
+    println!("{written} calls written before rdmad stopped reading");
+    assert!(
+        written < 20_000,
+        "rdmad kept reading calls whose replies were never read: {written} written"
+    );
+    let mut neighbour = Client::start_direct(&bus, Some(OTHER));
+    neighbour.ok("open");
+    neighbour.ok("alloc cold 4096");
+    rdmactl_ok(&bus, None, &["status"]);
+
+    d.signal(nix::sys::signal::Signal::SIGTERM);
+    assert!(d.wait().await.success(), "{}", d.stderr());
+    let log = d.stderr();
+    assert!(
+        log.contains("stopped") && !log.contains("still hold"),
+        "{log}"
+    );
 }

@@ -1,7 +1,8 @@
 //! The library's connection to rdmad: one bus connection per process, opened on first use
 //! on the bus `RDMAD_BUS_ADDRESS` names (else the system bus), and over it a direct
 //! connection to rdmad (`Manager.OpenDirect`) that every call goes on, skipping the bus
-//! daemon; the bus connection only watches rdmad's name. Both are driven by a one-thread
+//! daemon; the bus connection watches rdmad's name, and carries the calls when no direct
+//! connection could be opened. Both are driven by a one-thread
 //! runtime the library owns. The verbs calls are synchronous, so each one blocks the
 //! calling thread on its call ([`Backend::block_on`]).
 
@@ -32,9 +33,10 @@ pub struct Backend {
     runtime: tokio::runtime::Runtime,
     /// The bus connection: rdmad's name is watched on it.
     bus: zbus::Connection,
-    /// Where the calls go: the direct connection, or the bus connection when rdmad offers
-    /// none (an rdmad older than `Manager.OpenDirect`).
-    connection: zbus::Connection,
+    /// Where the calls go: the direct connection, or the bus connection when rdmad opened
+    /// none (it was not running yet, refused — a user's 64 are taken —, or is older than
+    /// `Manager.OpenDirect`). See [`Backend::connection`].
+    connection: std::sync::Mutex<zbus::Connection>,
 }
 
 impl std::fmt::Debug for Backend {
@@ -77,24 +79,13 @@ impl Backend {
         let bus_connection = runtime
             .block_on(rdmad_client::connect(None))
             .map_err(|e| format!("cannot connect to the {bus} bus, where rdmad serves: {e}"))?;
-        let connection = match runtime.block_on(rdmad_client::connect_direct(&bus_connection)) {
-            Ok(direct) => direct,
-            Err(rdmad_client::Error::ZBus(zbus::Error::MethodError(name, _, _)))
-                if name.as_str() == "org.freedesktop.DBus.Error.UnknownMethod" =>
-            {
-                bus_connection.clone()
-            }
-            Err(e) => {
-                return Err(format!(
-                    "cannot open a direct connection to rdmad on the {bus} bus: {}",
-                    e.message()
-                ))
-            }
-        };
+        let connection = runtime
+            .block_on(rdmad_client::connect_direct(&bus_connection))
+            .unwrap_or_else(|_| bus_connection.clone());
         Ok(Backend {
             runtime,
             bus: bus_connection,
-            connection,
+            connection: std::sync::Mutex::new(connection),
         })
     }
 
@@ -137,8 +128,27 @@ impl Backend {
         self.runtime.block_on(future)
     }
 
+    /// The connection calls go on: the direct connection while it is open. Once it has
+    /// closed (rdmad stopped, and perhaps another instance serves now) a new one is opened,
+    /// or, failing that, the calls go on the bus, as they do when none could be opened.
+    async fn connection(&self) -> zbus::Connection {
+        let current = self
+            .connection
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone();
+        if !current.is_closed() {
+            return current;
+        }
+        let fresh = rdmad_client::connect_direct(&self.bus)
+            .await
+            .unwrap_or_else(|_| self.bus.clone());
+        *self.connection.lock().unwrap_or_else(|e| e.into_inner()) = fresh.clone();
+        fresh
+    }
+
     async fn manager(&self) -> Result<ManagerProxy<'static>, String> {
-        ManagerProxy::new(&self.connection)
+        ManagerProxy::new(&self.connection().await)
             .await
             .map_err(|e| format!("cannot reach rdmad: {e}"))
     }
@@ -170,7 +180,7 @@ impl Backend {
     ) -> Result<DeviceInfo, String> {
         let failed =
             |what: &str, e: zbus::Error| format!("device {name}: cannot read its {what}: {e}");
-        let proxy = DeviceProxy::builder(&self.connection)
+        let proxy = DeviceProxy::builder(&self.connection().await)
             .path(path)
             .map_err(|e| failed("object", e))?
             .build()
@@ -218,7 +228,7 @@ impl Backend {
         size: u64,
     ) -> Result<(OwnedObjectPath, std::os::fd::OwnedFd, u64), (bool, String)> {
         self.block_on(async {
-            let session = SessionProxy::builder(&self.connection)
+            let session = SessionProxy::builder(&self.connection().await)
                 .path(session.clone())
                 .map_err(|e| (false, e.to_string()))?
                 .build()
@@ -294,7 +304,7 @@ impl Backend {
         &self,
         path: &OwnedObjectPath,
     ) -> zbus::Result<rdmad_client::proxy::RegionProxy<'static>> {
-        rdmad_client::proxy::RegionProxy::builder(&self.connection)
+        rdmad_client::proxy::RegionProxy::builder(&self.connection().await)
             .path(path.clone())?
             .build()
             .await
@@ -332,7 +342,7 @@ impl Backend {
     > {
         self.block_on(async {
             let plain = |e: zbus::Error| (false, e.to_string());
-            let session = SessionProxy::builder(&self.connection)
+            let session = SessionProxy::builder(&self.connection().await)
                 .path(session.clone())
                 .map_err(plain)?
                 .build()
@@ -352,7 +362,7 @@ impl Backend {
                 })?;
             let ring = QueuePairRing::new(ring.into(), doorbell.into(), completions.into(), info)
                 .map_err(|e| (false, format!("cannot map the queue pair's ring: {e}")))?;
-            let qp = QueuePairProxy::builder(&self.connection)
+            let qp = QueuePairProxy::builder(&self.connection().await)
                 .path(path.clone())
                 .map_err(plain)?
                 .build()
@@ -364,7 +374,7 @@ impl Backend {
     }
 
     async fn queue_pair(&self, path: &OwnedObjectPath) -> Result<QueuePairProxy<'static>, String> {
-        QueuePairProxy::builder(&self.connection)
+        QueuePairProxy::builder(&self.connection().await)
             .path(path.clone())
             .map_err(|e| e.to_string())?
             .build()
@@ -430,7 +440,7 @@ impl Backend {
     /// Closes a context's session: rdmad releases everything in it.
     pub fn close_session(&self, path: &OwnedObjectPath) -> Result<(), String> {
         self.block_on(async {
-            let session = SessionProxy::builder(&self.connection)
+            let session = SessionProxy::builder(&self.connection().await)
                 .path(path.clone())
                 .map_err(|e| e.to_string())?
                 .build()

@@ -1,8 +1,8 @@
 //! The caller's identity, from the bus daemon's credentials for the sender — never from
 //! method arguments. Unique bus names are never reused, so credentials are cached per name
-//! until the name leaves the bus. On a direct connection (`direct.rs`), where messages
-//! carry no sender, the caller is the one the connection was opened for, found by the
-//! connection's GUID.
+//! until the name leaves the bus. On a direct connection (`direct.rs`) the caller is the
+//! one the connection was opened for, found by the connection's GUID; the headers there
+//! are the peer's own, so their sender is never read.
 
 use std::collections::HashMap;
 use std::sync::Mutex;
@@ -27,17 +27,19 @@ impl CallerCache {
         connection: &Connection,
         header: &Header<'_>,
     ) -> Result<Caller, Error> {
-        let Some(sender) = header.sender() else {
-            // Only a direct connection carries messages without a sender.
-            let direct = (!connection.is_bus()).then(|| {
-                lock(&self.direct)
-                    .get(connection.server_guid().as_str())
-                    .cloned()
-            });
-            return direct
-                .flatten()
-                .ok_or_else(|| Error::NotAuthorized("the message carries no sender".into()));
-        };
+        if !connection.is_bus() {
+            // A direct connection: its peer writes the headers, so a sender on them means
+            // nothing. The caller is the one the connection was opened for.
+            return lock(&self.direct)
+                .get(connection.server_guid().as_str())
+                .cloned()
+                .ok_or_else(|| {
+                    Error::NotAuthorized("this connection was not opened by rdmad".into())
+                });
+        }
+        let sender = header
+            .sender()
+            .ok_or_else(|| Error::NotAuthorized("the message carries no sender".into()))?;
         if let Some(known) = lock(&self.known).get(sender.as_str()) {
             return Ok(known.clone());
         }
@@ -59,6 +61,11 @@ impl CallerCache {
         };
         lock(&self.known).insert(caller.bus_name.clone(), caller.clone());
         Ok(caller)
+    }
+
+    /// Whether the bus connection `bus_name` is known (it called, and has not left).
+    pub fn knows(&self, bus_name: &str) -> bool {
+        lock(&self.known).contains_key(bus_name)
     }
 
     /// Makes `caller` the caller of every message on the direct connection `guid`.

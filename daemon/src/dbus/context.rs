@@ -2,7 +2,7 @@
 //! procedure, and publishing and withdrawing the objects of sessions and regions.
 
 use std::collections::HashMap;
-use std::sync::{Arc, Mutex, OnceLock};
+use std::sync::{Arc, Mutex};
 
 use rdmad_client::names::{qp_path, region_path, session_path};
 use rdmad_client::Error;
@@ -54,8 +54,8 @@ pub struct Context {
     pub direct: super::direct::Channels,
     /// What policy grants each connection's caller under the configuration in force.
     pub grants: Mutex<HashMap<String, Arc<Grants>>>,
-    /// The bus connection's objects, once it is up.
-    pub bus: OnceLock<ObjectServer>,
+    /// The bus connection's objects, while it is up (`unserve` lets go of them).
+    pub bus: Mutex<Option<ObjectServer>>,
     /// The objects made on direct connections: path → the name of the direct connection
     /// that serves it.
     pub served_direct: Mutex<HashMap<String, String>>,
@@ -89,7 +89,15 @@ impl Context {
             })
             .await?,
         );
-        lock(&self.grants).insert(caller.bus_name.clone(), Arc::clone(&grants));
+        // Kept only for a connection still there: one that went meanwhile was forgotten.
+        let live = if super::direct::is_direct(&caller.bus_name) {
+            self.direct.is_open(&caller.bus_name)
+        } else {
+            self.callers.knows(&caller.bus_name)
+        };
+        if live {
+            lock(&self.grants).insert(caller.bus_name.clone(), Arc::clone(&grants));
+        }
         Ok(grants)
     }
 
@@ -113,16 +121,28 @@ impl Context {
         blocking(&self.engine, work).await
     }
 
+    /// Serves the object of a session `caller` just opened; like `publish_region`, it
+    /// withdraws it again if the session was closed meanwhile (its connection went).
     pub async fn publish_session(
         self: &Arc<Self>,
         server: &ObjectServer,
         caller: &Caller,
         id: SessionId,
-    ) -> zbus::Result<()> {
+    ) -> Result<(), Error> {
         self.serve(server, caller, session_path(id.0), true, || {
             SessionObject::new(Arc::clone(self), id)
         })
-        .await
+        .await?;
+        let scope = crate::policy::scope(caller, &self.config());
+        if self.engine.session(&caller.owner(), scope, id).is_err() {
+            let _ = self
+                .remove::<SessionObject>(server, session_path(id.0))
+                .await;
+            return Err(Error::NoSuchObject(format!(
+                "session {id}: its connection went while it was being opened"
+            )));
+        }
+        Ok(())
     }
 
     /// Serves the object of a region `caller` just allocated. Its session may have been
@@ -187,7 +207,8 @@ impl Context {
         server.at(path.as_str(), make()).await?;
         if super::direct::is_direct(&caller.bus_name) {
             lock(&self.served_direct).insert(path.clone(), caller.bus_name.clone());
-            if let (true, Some(bus)) = (on_bus, self.bus.get()) {
+            let bus = lock(&self.bus).clone();
+            if let (true, Some(bus)) = (on_bus, bus) {
                 bus.at(path.as_str(), make()).await?;
             }
         }
@@ -237,18 +258,37 @@ impl Context {
         };
         let channel = lock(&self.served_direct).remove(&path);
         let mut found = false;
-        if let Some(direct) = channel.and_then(|name| self.direct.server_of(&name)) {
-            // The object leaves the tree before its InterfacesRemoved is sent; a direct
-            // connection that is closing fails only the signal.
-            match served(direct.remove::<I, _>(path.as_str()).await) {
-                Ok(f) => found |= f,
-                Err(e) => {
-                    found = true;
-                    tracing::debug!(path, "withdrawn from a closing direct connection: {e}");
+        if let Some(name) = channel {
+            // The connection is held for the whole removal (its object server needs it).
+            if let Some(direct) = self.direct.connection_of(&name) {
+                let removal = direct.object_server().remove::<I, _>(path.as_str());
+                match tokio::time::timeout(super::direct::SEND_TIMEOUT, removal).await {
+                    Ok(r) => match served(r) {
+                        Ok(f) => found |= f,
+                        // The object leaves the tree before its InterfacesRemoved is sent;
+                        // a direct connection that is closing fails only the signal.
+                        Err(e) => {
+                            found = true;
+                            tracing::debug!(
+                                path,
+                                "withdrawn from a closing direct connection: {e}"
+                            );
+                        }
+                    },
+                    Err(_) => {
+                        found = true;
+                        tracing::warn!(
+                            channel = %name,
+                            "a direct connection took nothing rdmad sent it for {:?}; it is closed",
+                            super::direct::SEND_TIMEOUT
+                        );
+                        self.direct.shut(&name);
+                    }
                 }
             }
         }
-        let bus = self.bus.get().unwrap_or(server);
+        let bus = lock(&self.bus).clone();
+        let bus = bus.as_ref().unwrap_or(server);
         found |= served(bus.remove::<I, _>(path.as_str()).await)?;
         Ok(found)
     }

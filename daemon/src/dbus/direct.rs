@@ -1,25 +1,33 @@
 //! Direct connections: `Manager.OpenDirect` hands its caller one end of a socket pair, on
 //! which rdmad serves the same objects peer to peer. A call on it goes straight to rdmad
 //! instead of through `dbus-daemon` (two hops each way), so it costs about one bus round
-//! trip less (docs/api.md, "Direct connections").
+//! trip less (docs/dbus-api.md, "Direct connections").
 //!
 //! The caller's identity is the one the bus vouched for when it called `OpenDirect`: the
 //! channel is a socket pair rdmad made, never a socket anyone can connect to, so no
-//! credentials need reading from it and none can be forged on it. Every call on the channel
-//! runs as that caller. What is opened on a channel — sessions, and their regions and queue
-//! pairs — belongs to the channel (its connection name is the bus name it was opened from
-//! with `/direct` and a number appended) and is closed when the channel closes, as a bus
-//! connection's sessions are when it leaves the bus.
+//! credentials need reading from it. Every call on the channel runs as that caller,
+//! whatever its header says (`caller.rs` never reads a sender on a direct connection).
+//! What is opened on a channel — sessions, and their regions and queue pairs — belongs to
+//! the channel (its connection name is the bus name it was opened from with `/direct` and a
+//! number appended) and is closed when the channel closes, as a bus connection's sessions
+//! are when it leaves the bus.
 //!
-//! Each user may hold [`PER_USER`] channels at once, so idle channels cannot exhaust the
-//! daemon's descriptors.
+//! What the bus daemon bounds for a bus connection is bounded here: a user holds at most
+//! [`PER_USER`] channels; rdmad reads no more calls from a channel while [`MAX_CALLS`] of
+//! its calls, [`MAX_CALL_BYTES`] of their bytes or [`MAX_CALL_FDS`] of their descriptors
+//! await their replies (a peer that stops reading its replies stops being read); and a
+//! channel that does not take what rdmad sends it within [`SEND_TIMEOUT`] when an
+//! administrator's call must withdraw objects from it is closed.
 
 use std::collections::HashMap;
 use std::os::fd::OwnedFd;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
+use std::time::Duration;
 
 use rdmad_client::Error;
-use zbus::object_server::ObjectServer;
+use zbus::connection::socket::{ReadHalf, Split, WriteHalf};
+use zbus::message::{Flags, Message, Type};
 use zbus::Connection;
 
 use super::context::Context;
@@ -28,6 +36,20 @@ use crate::policy::Caller;
 
 /// The most direct connections one user holds at once.
 pub const PER_USER: usize = 64;
+
+/// Calls of one direct connection awaiting their replies, beyond which rdmad reads no more
+/// of its messages (the system bus's `max_replies_per_connection`).
+pub const MAX_CALLS: usize = 128;
+
+/// The bytes of those calls beyond which rdmad reads no more of the connection's messages.
+pub const MAX_CALL_BYTES: usize = 32 << 20;
+
+/// The descriptors those calls carry beyond which rdmad reads no more of its messages.
+pub const MAX_CALL_FDS: usize = 64;
+
+/// How long rdmad waits for a direct connection to take what it sends when another
+/// caller's work (an administrator withdrawing its objects) waits on it.
+pub const SEND_TIMEOUT: Duration = Duration::from_secs(2);
 
 /// The open direct connections.
 #[derive(Default)]
@@ -45,9 +67,15 @@ struct State {
 
 struct Channel {
     uid: u32,
+    /// A second handle on rdmad's end of the socket pair, to shut it down whatever zbus
+    /// is doing with it.
+    socket: std::os::unix::net::UnixStream,
     /// The channel's connection, once it is served.
     connection: Option<Connection>,
     task: Option<tokio::task::JoinHandle<()>>,
+    /// Closed once every object the channel served is gone (the channel's manager holds
+    /// the sender): calls still running on it may hold them after the connection closed.
+    life: tokio::sync::watch::Receiver<()>,
 }
 
 impl Channels {
@@ -56,11 +84,19 @@ impl Channels {
         lock(&self.state).open.contains_key(name)
     }
 
-    /// The object server of channel `name`, while it is open and served.
-    pub fn server_of(&self, name: &str) -> Option<ObjectServer> {
+    /// The connection of channel `name`, while it is open and served.
+    pub fn connection_of(&self, name: &str) -> Option<Connection> {
         let state = lock(&self.state);
         let connection = state.open.get(name)?.connection.as_ref()?;
-        Some(connection.object_server().clone())
+        (!connection.is_closed()).then(|| connection.clone())
+    }
+
+    /// Shuts channel `name`'s socket down: its connection ends, and with it what was
+    /// opened on it.
+    pub fn shut(&self, name: &str) {
+        if let Some(channel) = lock(&self.state).open.get(name) {
+            let _ = channel.socket.shutdown(std::net::Shutdown::Both);
+        }
     }
 
     /// Closes every channel and waits until none runs (the daemon is stopping).
@@ -71,12 +107,22 @@ impl Channels {
             state.open.drain().map(|(_, c)| c).collect()
         };
         for mut channel in channels {
+            // Blocked reads and writes fail at once, so nothing waits on the peer.
+            let _ = channel.socket.shutdown(std::net::Shutdown::Both);
             if let Some(task) = channel.task.take() {
                 task.abort();
                 let _ = task.await;
             }
-            if let Some(connection) = channel.connection.take() {
-                connection.graceful_shutdown().await;
+            let connection = channel.connection.take();
+            let gone = async {
+                if let Some(connection) = connection {
+                    connection.graceful_shutdown().await;
+                }
+                // Err once the manager, and with it every object, is gone.
+                while channel.life.changed().await.is_ok() {}
+            };
+            if tokio::time::timeout(SEND_TIMEOUT, gone).await.is_err() {
+                tracing::warn!("a direct connection's calls did not end in time");
             }
         }
     }
@@ -92,12 +138,23 @@ pub fn is_direct(connection_name: &str) -> bool {
     connection_name.contains('/')
 }
 
-/// A GUID for a channel: 32 hex digits from the system's random source.
-fn new_guid() -> Result<String, Error> {
-    let mut bytes = [0u8; 16];
-    getrandom::fill(&mut bytes)
-        .map_err(|e| Error::DeviceError(format!("no random bytes for a connection GUID: {e}")))?;
-    Ok(bytes.iter().map(|b| format!("{b:02x}")).collect())
+/// A GUID for a channel: unique in this daemon's life (the process, its start and a
+/// counter), which is all it is for — it names the channel's caller.
+fn new_guid() -> String {
+    static NEXT: AtomicU64 = AtomicU64::new(0);
+    static START: std::sync::OnceLock<u64> = std::sync::OnceLock::new();
+    let start = *START.get_or_init(|| {
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos() as u64)
+    });
+    let n = NEXT.fetch_add(1, Ordering::Relaxed);
+    format!(
+        "{:08x}{:012x}{:012x}",
+        std::process::id(),
+        start & 0xffff_ffff_ffff,
+        n & 0xffff_ffff_ffff
+    )
 }
 
 /// Opens a direct connection for `caller` (who called on the bus) and returns the caller's
@@ -108,9 +165,17 @@ pub fn open(ctx: &Arc<Context>, caller: &Caller) -> Result<OwnedFd, Error> {
             "OpenDirect is called on the bus: this connection is a direct one already".into(),
         ));
     }
-    let guid = new_guid()?;
+    let guid = new_guid();
     let (ours, theirs) = std::os::unix::net::UnixStream::pair()
         .map_err(|e| Error::DeviceError(format!("cannot make a socket pair: {e}")))?;
+    let socket = ours
+        .try_clone()
+        .map_err(|e| Error::DeviceError(format!("cannot duplicate a socket: {e}")))?;
+    let stream = ours
+        .set_nonblocking(true)
+        .and_then(|()| tokio::net::UnixStream::from_std(ours))
+        .map_err(|e| Error::DeviceError(format!("cannot serve a direct connection: {e}")))?;
+    let (life, life_watch) = tokio::sync::watch::channel(());
     let name = {
         let mut state = lock(&ctx.direct.state);
         if state.closed {
@@ -130,8 +195,10 @@ pub fn open(ctx: &Arc<Context>, caller: &Caller) -> Result<OwnedFd, Error> {
             name.clone(),
             Channel {
                 uid: caller.uid,
+                socket,
                 connection: None,
                 task: None,
+                life: life_watch.clone(),
             },
         );
         name
@@ -141,22 +208,17 @@ pub fn open(ctx: &Arc<Context>, caller: &Caller) -> Result<OwnedFd, Error> {
         ..caller.clone()
     };
     ctx.callers.add_direct(&guid, channel_caller.clone());
-    let served = ours
-        .set_nonblocking(true)
-        .and_then(|()| tokio::net::UnixStream::from_std(ours));
-    let stream = match served {
-        Ok(stream) => stream,
-        Err(e) => {
-            ctx.direct.remove(&name);
-            ctx.callers.forget_direct(&guid);
-            return Err(Error::DeviceError(format!(
-                "cannot serve a direct connection: {e}"
-            )));
+    let task = tokio::spawn(run(Arc::clone(ctx), channel_caller, guid, stream, life));
+    {
+        let mut state = lock(&ctx.direct.state);
+        let stopping = state.closed;
+        match state.open.get_mut(&name) {
+            Some(channel) => channel.task = Some(task),
+            // Drained by the daemon stopping: it is not waited for, so it stops here.
+            None if stopping => task.abort(),
+            // Already over.
+            None => {}
         }
-    };
-    let task = tokio::spawn(run(Arc::clone(ctx), channel_caller, guid, stream));
-    if let Some(channel) = lock(&ctx.direct.state).open.get_mut(&name) {
-        channel.task = Some(task);
     }
     tracing::info!(
         uid = caller.uid,
@@ -168,11 +230,23 @@ pub fn open(ctx: &Arc<Context>, caller: &Caller) -> Result<OwnedFd, Error> {
 }
 
 /// Serves one channel until it closes, then closes what was opened on it.
-async fn run(ctx: Arc<Context>, caller: Caller, guid: String, stream: tokio::net::UnixStream) {
+async fn run(
+    ctx: Arc<Context>,
+    caller: Caller,
+    guid: String,
+    stream: tokio::net::UnixStream,
+    life: tokio::sync::watch::Sender<()>,
+) {
     let name = caller.bus_name.clone();
+    let socket = FlowControlled {
+        stream,
+        flow: Arc::default(),
+    };
     let built = async {
-        let builder = zbus::connection::Builder::authenticated_socket(stream, guid.as_str())?.p2p();
-        super::with_objects(builder, &ctx)?.build().await
+        let builder = zbus::connection::Builder::authenticated_socket(socket, guid.as_str())?.p2p();
+        super::with_objects(builder, &ctx, Some(life))?
+            .build()
+            .await
     }
     .await;
     let connection = match built {
@@ -200,9 +274,157 @@ async fn run(ctx: Arc<Context>, caller: Caller, guid: String, stream: tokio::net
     if registered {
         connection.closed().await;
     }
-    let server = connection.object_server().clone();
     ctx.direct.remove(&name);
     ctx.callers.forget_direct(&guid);
-    ctx.connection_gone(&server, &name).await;
+    ctx.connection_gone(connection.object_server(), &name).await;
     tracing::info!(channel = %name, "direct connection closed");
+}
+
+/// What a direct connection's calls hold while they await their replies.
+#[derive(Debug, Default)]
+struct Flow {
+    state: Mutex<FlowState>,
+    changed: tokio::sync::Notify,
+}
+
+#[derive(Debug, Default)]
+struct FlowState {
+    /// Serial → (bytes, descriptors) of each call awaiting its reply.
+    calls: HashMap<u32, (usize, usize)>,
+    bytes: usize,
+    fds: usize,
+}
+
+impl FlowState {
+    fn full(&self) -> bool {
+        self.calls.len() >= MAX_CALLS || self.bytes >= MAX_CALL_BYTES || self.fds >= MAX_CALL_FDS
+    }
+}
+
+impl Flow {
+    /// Waits until the connection's calls awaiting replies leave room for another.
+    async fn room(&self) {
+        loop {
+            let changed = self.changed.notified();
+            if !lock(&self.state).full() {
+                return;
+            }
+            changed.await;
+        }
+    }
+
+    fn called(&self, message: &Message) {
+        let header = message.header();
+        if header.message_type() != Type::MethodCall
+            || header.primary().flags().contains(Flags::NoReplyExpected)
+        {
+            return;
+        }
+        let data = message.data();
+        let (bytes, fds) = (data.len(), data.fds().len());
+        let mut state = lock(&self.state);
+        let serial = header.primary().serial_num().get();
+        if let Some((b, f)) = state.calls.insert(serial, (bytes, fds)) {
+            // A serial used twice: count the call once.
+            state.bytes -= b;
+            state.fds -= f;
+        }
+        state.bytes += bytes;
+        state.fds += fds;
+    }
+
+    fn replied(&self, message: &Message) {
+        let header = message.header();
+        if !matches!(header.message_type(), Type::MethodReturn | Type::Error) {
+            return;
+        }
+        let Some(serial) = header.reply_serial() else {
+            return;
+        };
+        let mut state = lock(&self.state);
+        if let Some((bytes, fds)) = state.calls.remove(&serial.get()) {
+            state.bytes -= bytes;
+            state.fds -= fds;
+            drop(state);
+            self.changed.notify_waiters();
+        }
+    }
+}
+
+/// rdmad's end of a direct connection: a Unix socket whose reading waits while the
+/// connection's calls awaiting replies are at their bounds ([`Flow`]).
+#[derive(Debug)]
+struct FlowControlled {
+    stream: tokio::net::UnixStream,
+    flow: Arc<Flow>,
+}
+
+impl zbus::connection::Socket for FlowControlled {
+    type ReadHalf = FlowReader;
+    type WriteHalf = FlowWriter;
+
+    fn split(self) -> Split<FlowReader, FlowWriter> {
+        let (read, write) = self.stream.into_split();
+        Split::new(
+            FlowReader {
+                inner: read,
+                flow: Arc::clone(&self.flow),
+            },
+            FlowWriter {
+                inner: write,
+                flow: self.flow,
+            },
+        )
+    }
+}
+
+#[derive(Debug)]
+struct FlowReader {
+    inner: tokio::net::unix::OwnedReadHalf,
+    flow: Arc<Flow>,
+}
+
+#[async_trait::async_trait]
+impl ReadHalf for FlowReader {
+    async fn receive_message(
+        &mut self,
+        seq: u64,
+        already_received_bytes: &mut Vec<u8>,
+        already_received_fds: &mut Vec<OwnedFd>,
+    ) -> zbus::Result<Message> {
+        self.flow.room().await;
+        let message = self
+            .inner
+            .receive_message(seq, already_received_bytes, already_received_fds)
+            .await?;
+        self.flow.called(&message);
+        Ok(message)
+    }
+
+    fn can_pass_unix_fd(&self) -> bool {
+        true
+    }
+}
+
+#[derive(Debug)]
+struct FlowWriter {
+    inner: tokio::net::unix::OwnedWriteHalf,
+    flow: Arc<Flow>,
+}
+
+#[async_trait::async_trait]
+impl WriteHalf for FlowWriter {
+    async fn send_message(&mut self, message: &Message) -> zbus::Result<()> {
+        self.inner.send_message(message).await?;
+        self.flow.replied(message);
+        Ok(())
+    }
+
+    async fn close(&mut self) -> std::io::Result<()> {
+        self.inner.close().await
+    }
+
+    fn can_pass_unix_fd(&self) -> bool {
+        true
+    }
 }

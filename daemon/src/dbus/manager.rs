@@ -25,11 +25,14 @@ pub type Reloader = Arc<dyn Fn() -> Result<(), crate::config::ConfigError> + Sen
 
 pub struct Manager {
     ctx: Arc<Context>,
+    /// On a direct connection: dropped with the connection's objects, which tells the
+    /// stopping daemon that none of them holds the engine any more.
+    _life: Option<tokio::sync::watch::Sender<()>>,
 }
 
 impl Manager {
-    pub fn new(ctx: Arc<Context>) -> Manager {
-        Manager { ctx }
+    pub fn new(ctx: Arc<Context>, life: Option<tokio::sync::watch::Sender<()>>) -> Manager {
+        Manager { ctx, _life: life }
     }
 }
 

@@ -78,11 +78,12 @@ pub struct Served {
 fn with_objects<'a>(
     builder: zbus::connection::Builder<'a>,
     ctx: &Arc<Context>,
+    life: Option<tokio::sync::watch::Sender<()>>,
 ) -> zbus::Result<zbus::connection::Builder<'a>> {
     let engine = &ctx.engine;
     let mut builder = builder
         .serve_at(MANAGER_PATH, ObjectManager)?
-        .serve_at(MANAGER_PATH, Manager::new(Arc::clone(ctx)))?;
+        .serve_at(MANAGER_PATH, Manager::new(Arc::clone(ctx), life))?;
     for name in engine.device_names() {
         let object = DeviceObject::new(Arc::clone(engine), name);
         builder = builder.serve_at(object.path(), object)?;
@@ -121,12 +122,12 @@ pub async fn serve(
         connecting: addressing::ConnectTurns::default(),
         direct: direct::Channels::default(),
         grants: std::sync::Mutex::default(),
-        bus: std::sync::OnceLock::new(),
+        bus: std::sync::Mutex::default(),
         served_direct: std::sync::Mutex::default(),
     });
-    let builder = with_objects(builder.map_err(connect_error)?, &ctx)?;
+    let builder = with_objects(builder.map_err(connect_error)?, &ctx, None)?;
     let connection = builder.build().await.map_err(connect_error)?;
-    let _ = ctx.bus.set(connection.object_server().clone());
+    *crate::lock::lock(&ctx.bus) = Some(connection.object_server().clone());
     let watcher = watch_departures(&connection, Arc::clone(&ctx)).await?;
 
     match connection
@@ -185,8 +186,10 @@ pub async fn unserve(served: Served, engine: &Engine) {
     // Wait until the task (and the engine reference it holds) is gone.
     let _ = watcher.await;
     ctx.direct.close_all().await;
-    // What direct connections served is gone with them.
+    // What direct connections served is gone with them; the bus's objects are withdrawn
+    // below, and the context keeps none of them.
     crate::lock::lock(&ctx.served_direct).clear();
+    crate::lock::lock(&ctx.bus).take();
     drop(ctx);
     if let Err(e) = connection.release_name(BUS_NAME).await {
         tracing::warn!("cannot release the bus name: {e}");
@@ -202,12 +205,20 @@ pub async fn unserve(served: Served, engine: &Engine) {
         results.push(server.remove::<pool::PoolObject, _>(path).await);
     }
     let removed = engine.close_all();
+    // Regions and queue pairs made on direct connections were served there alone.
+    let on_bus = |r: zbus::Result<bool>| match r {
+        Err(zbus::Error::InterfaceNotFound) => Ok(false),
+        other => other,
+    };
+    for id in &removed.qps {
+        let path = rdmad_client::names::qp_path(id.0);
+        results.push(on_bus(
+            server.remove::<queue_pair::QueuePairObject, _>(path).await,
+        ));
+    }
     for id in &removed.regions {
-        results.push(
-            server
-                .remove::<region::RegionObject, _>(rdmad_client::names::region_path(id.0))
-                .await,
-        );
+        let path = rdmad_client::names::region_path(id.0);
+        results.push(on_bus(server.remove::<region::RegionObject, _>(path).await));
     }
     for id in &removed.sessions {
         results.push(

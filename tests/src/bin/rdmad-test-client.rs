@@ -53,6 +53,12 @@
 //!   drop-directs | open-direct-on-direct → null (closes those held | OpenDirect asked on
 //!                                 the connection the client calls on)
 //!   objects                       → the object paths the calls' connection serves
+//!   whoami                        → this client's unique name on the bus
+//!   forged SENDER METHOD          → Manager.METHOD() (ListSessions: the uids listed;
+//!                                 Reload) sent with a made-up sender header
+//!   flood-direct N                → how many of N ListDevices calls went out on a fresh
+//!                                 direct connection's raw socket, never reading a reply
+//!                                 (the socket stays open)
 //!   watch                         → the unique name of rdmad now (starts a DaemonWatch)
 //!   gone                          → {previous, current, message} once that rdmad left
 //!   exit
@@ -230,6 +236,85 @@ async fn qp_proxy<'a>(c: &zbus::Connection, path: &str) -> Result<QueuePairProxy
         .await?)
 }
 
+/// Calls `Manager.METHOD()` (`ListSessions` or `Reload`) on `c` with a made-up `sender`
+/// header: what a peer can write on a direct connection. `ListSessions` answers the uids of
+/// the sessions it lists.
+async fn forged_call(c: &zbus::Connection, sender: &str, method: &str) -> Result<Value, Error> {
+    use futures_util::StreamExt;
+    let message = zbus::message::Message::method_call(rdmad_client::MANAGER_PATH, method)?
+        .sender(sender)?
+        .destination(rdmad_client::BUS_NAME)?
+        .interface("org.rdmad1.Manager")?
+        .build(&())?;
+    let serial = message.primary_header().serial_num();
+    let mut replies = zbus::MessageStream::from(c);
+    c.send(&message).await?;
+    while let Some(reply) = replies.next().await {
+        let reply = reply?;
+        if reply.header().reply_serial() != Some(serial) {
+            continue;
+        }
+        if reply.message_type() == zbus::message::Type::Error {
+            return Err(Error::ZBus(zbus::Error::from(reply)));
+        }
+        return Ok(match method {
+            "ListSessions" => {
+                let sessions: Vec<rdmad_client::types::SessionInfo> = reply.body().deserialize()?;
+                json!(sessions.iter().map(|s| s.uid).collect::<Vec<_>>())
+            }
+            _ => Value::Null,
+        });
+    }
+    Err(Error::InvalidArgument(
+        "the connection closed before the reply".into(),
+    ))
+}
+
+/// Opens a direct connection and writes up to `n` `Manager.ListDevices` calls on its raw socket
+/// without ever reading a reply, until the socket takes nothing more for half a second;
+/// returns how many were written in full, and the socket (kept open, unread, by the
+/// caller).
+async fn flood_direct(
+    manager: &ManagerProxy<'_>,
+    n: u64,
+) -> Result<(u64, std::os::unix::net::UnixStream), Error> {
+    use std::io::Write;
+    let fd = manager.open_direct(Options::new()).await?;
+    let mut socket = std::os::unix::net::UnixStream::from(OwnedFd::from(fd));
+    socket
+        .set_nonblocking(true)
+        .map_err(|e| Error::InvalidArgument(e.to_string()))?;
+    let mut written = 0;
+    while written < n {
+        let ping = zbus::message::Message::method_call(rdmad_client::MANAGER_PATH, "ListDevices")?
+            .interface("org.rdmad1.Manager")?
+            .build(&())?;
+        let bytes: &[u8] = ping.data();
+        let mut at = 0;
+        while at < bytes.len() {
+            match socket.write(&bytes[at..]) {
+                Ok(k) => at += k,
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
+                    // Full: wait for rdmad to read on, up to half a second.
+                    use std::os::fd::AsFd;
+                    let mut fds = [nix::poll::PollFd::new(
+                        socket.as_fd(),
+                        nix::poll::PollFlags::POLLOUT,
+                    )];
+                    match nix::poll::poll(&mut fds, nix::poll::PollTimeout::from(500u16)) {
+                        Ok(0) => return Ok((written, socket)),
+                        Ok(_) => {}
+                        Err(e) => return Err(Error::InvalidArgument(format!("poll: {e}"))),
+                    }
+                }
+                Err(e) => return Err(Error::InvalidArgument(format!("writing: {e}"))),
+            }
+        }
+        written += 1;
+    }
+    Ok((written, socket))
+}
+
 async fn session_proxy<'a>(c: &zbus::Connection, path: &str) -> Result<SessionProxy<'a>, Error> {
     Ok(SessionProxy::builder(c)
         .path(path.to_owned())?
@@ -261,6 +346,8 @@ async fn main() {
     let mut ring_fds: Vec<RingFds> = Vec::new();
     let mut watch: Option<DaemonWatch> = None;
     let mut directs: Vec<zbus::Connection> = Vec::new();
+    let mut flooded: Vec<std::os::unix::net::UnixStream> = Vec::new();
+    let manager_on_bus = ManagerProxy::new(&bus).await.expect("manager proxy");
 
     let stdin = std::io::stdin();
     for line in stdin.lock().lines() {
@@ -810,6 +897,13 @@ async fn main() {
                 "open-direct-on-direct" => {
                     drop(rdmad_client::connect_direct(&c).await?);
                     Ok(Value::Null)
+                }
+                "whoami" => Ok(json!(bus.unique_name().map(|n| n.to_string()))),
+                "forged" => forged_call(&c, arg(0), arg(1)).await,
+                "flood-direct" => {
+                    let (written, socket) = flood_direct(&manager_on_bus, num(0)).await?;
+                    flooded.push(socket);
+                    Ok(json!(written))
                 }
                 "objects" => {
                     let objects = zbus::fdo::ObjectManagerProxy::builder(&c)
