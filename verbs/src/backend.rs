@@ -36,7 +36,7 @@ pub struct Backend {
     /// Where the calls go: the direct connection, or the bus connection when rdmad opened
     /// none (it was not running yet, refused — a user's 64 are taken —, or is older than
     /// `Manager.OpenDirect`). See [`Backend::connection`].
-    connection: std::sync::Mutex<zbus::Connection>,
+    connection: tokio::sync::Mutex<zbus::Connection>,
 }
 
 impl std::fmt::Debug for Backend {
@@ -85,7 +85,7 @@ impl Backend {
         Ok(Backend {
             runtime,
             bus: bus_connection,
-            connection: std::sync::Mutex::new(connection),
+            connection: tokio::sync::Mutex::new(connection),
         })
     }
 
@@ -132,19 +132,14 @@ impl Backend {
     /// closed (rdmad stopped, and perhaps another instance serves now) a new one is opened,
     /// or, failing that, the calls go on the bus, as they do when none could be opened.
     async fn connection(&self) -> zbus::Connection {
-        let current = self
-            .connection
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .clone();
-        if !current.is_closed() {
-            return current;
+        // Held across the reopening, so that threads finding it closed at once open one.
+        let mut current = self.connection.lock().await;
+        if current.is_closed() {
+            *current = rdmad_client::connect_direct(&self.bus)
+                .await
+                .unwrap_or_else(|_| self.bus.clone());
         }
-        let fresh = rdmad_client::connect_direct(&self.bus)
-            .await
-            .unwrap_or_else(|_| self.bus.clone());
-        *self.connection.lock().unwrap_or_else(|e| e.into_inner()) = fresh.clone();
-        fresh
+        current.clone()
     }
 
     async fn manager(&self) -> Result<ManagerProxy<'static>, String> {

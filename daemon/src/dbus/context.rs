@@ -90,14 +90,18 @@ impl Context {
             .await?,
         );
         // Kept only for a connection still there: one that went meanwhile was forgotten.
+        // The check and the insert happen under the lock `connection_gone` takes to forget
+        // it, after marking it gone.
+        let mut kept = lock(&self.grants);
         let live = if super::direct::is_direct(&caller.bus_name) {
             self.direct.is_open(&caller.bus_name)
         } else {
             self.callers.knows(&caller.bus_name)
         };
         if live {
-            lock(&self.grants).insert(caller.bus_name.clone(), Arc::clone(&grants));
+            kept.insert(caller.bus_name.clone(), Arc::clone(&grants));
         }
+        drop(kept);
         Ok(grants)
     }
 

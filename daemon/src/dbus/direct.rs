@@ -13,11 +13,16 @@
 //! are when it leaves the bus.
 //!
 //! What the bus daemon bounds for a bus connection is bounded here: a user holds at most
-//! [`PER_USER`] channels; rdmad reads no more calls from a channel while [`MAX_CALLS`] of
-//! its calls, [`MAX_CALL_BYTES`] of their bytes or [`MAX_CALL_FDS`] of their descriptors
-//! await their replies (a peer that stops reading its replies stops being read); and a
-//! channel that does not take what rdmad sends it within [`SEND_TIMEOUT`] when an
+//! [`PER_USER`] channels; no message may be longer than [`MAX_MESSAGE_BYTES`]; rdmad reads
+//! no more calls from a channel while [`MAX_CALLS`] of its calls, [`MAX_CALL_BYTES`] of
+//! their bytes or [`MAX_CALL_FDS`] of their descriptors await their replies (a peer that
+//! stops reading its replies stops being read); a call that asks for no reply, or reuses
+//! the serial of one awaiting its reply, closes the channel (it would escape that count);
+//! and a channel that does not take what rdmad sends it within [`SEND_TIMEOUT`] when an
 //! administrator's call must withdraw objects from it is closed.
+//!
+//! rdmad never calls a method of the peer on a channel: a reply it waited for would have
+//! to be read by the reader that [`Flow`] may be holding back.
 
 use std::collections::HashMap;
 use std::os::fd::OwnedFd;
@@ -42,7 +47,11 @@ pub const PER_USER: usize = 64;
 pub const MAX_CALLS: usize = 128;
 
 /// The bytes of those calls beyond which rdmad reads no more of the connection's messages.
-pub const MAX_CALL_BYTES: usize = 32 << 20;
+pub const MAX_CALL_BYTES: usize = 8 << 20;
+
+/// The longest message rdmad reads on a direct connection (its calls' arguments are small);
+/// a longer one closes the connection before any of it is read.
+pub const MAX_MESSAGE_BYTES: usize = 4 << 20;
 
 /// The descriptors those calls carry beyond which rdmad reads no more of its messages.
 pub const MAX_CALL_FDS: usize = 64;
@@ -76,18 +85,34 @@ struct Channel {
     /// Closed once every object the channel served is gone (the channel's manager holds
     /// the sender): calls still running on it may hold them after the connection closed.
     life: tokio::sync::watch::Receiver<()>,
+    flow: Arc<Flow>,
+    /// Set once the connection has ended: what was opened on it is being closed, and the
+    /// channel stays listed until nothing it served is left.
+    closing: bool,
+}
+
+impl Channel {
+    fn shut(&self) {
+        self.flow.break_off();
+        let _ = self.socket.shutdown(std::net::Shutdown::Both);
+    }
 }
 
 impl Channels {
-    /// Whether the channel `name` (a caller's connection name) is open.
+    /// Whether the channel `name` (a caller's connection name) is open: being served, or
+    /// served and not closed.
     pub fn is_open(&self, name: &str) -> bool {
-        lock(&self.state).open.contains_key(name)
+        lock(&self.state)
+            .open
+            .get(name)
+            .is_some_and(|c| !c.closing && c.connection.as_ref().is_none_or(|c| !c.is_closed()))
     }
 
     /// The connection of channel `name`, while it is open and served.
     pub fn connection_of(&self, name: &str) -> Option<Connection> {
         let state = lock(&self.state);
-        let connection = state.open.get(name)?.connection.as_ref()?;
+        let channel = state.open.get(name).filter(|c| !c.closing)?;
+        let connection = channel.connection.as_ref()?;
         (!connection.is_closed()).then(|| connection.clone())
     }
 
@@ -95,35 +120,40 @@ impl Channels {
     /// opened on it.
     pub fn shut(&self, name: &str) {
         if let Some(channel) = lock(&self.state).open.get(name) {
-            let _ = channel.socket.shutdown(std::net::Shutdown::Both);
+            channel.shut();
         }
     }
 
-    /// Closes every channel and waits until none runs (the daemon is stopping).
-    pub async fn close_all(&self) {
-        let channels: Vec<Channel> = {
-            let mut state = lock(&self.state);
-            state.closed = true;
-            state.open.drain().map(|(_, c)| c).collect()
-        };
-        for mut channel in channels {
-            // Blocked reads and writes fail at once, so nothing waits on the peer.
-            let _ = channel.socket.shutdown(std::net::Shutdown::Both);
-            if let Some(task) = channel.task.take() {
-                task.abort();
+    /// The daemon is stopping: no channel opens any more, and every open one is shut (its
+    /// reads and writes fail at once, so nothing waits on a peer). Each channel's task then
+    /// closes what was opened on it; [`Channels::wait_all`] waits for that.
+    pub fn shut_all(&self) {
+        let mut state = lock(&self.state);
+        state.closed = true;
+        for channel in state.open.values() {
+            channel.shut();
+        }
+    }
+
+    /// Waits, all together and for [`SEND_TIMEOUT`] at most, until every channel's task has
+    /// ended and nothing a channel served is left (after [`Channels::shut_all`], and after
+    /// the engine ended the waits calls on them may be in).
+    pub async fn wait_all(&self) {
+        let channels: Vec<Channel> = lock(&self.state).open.drain().map(|(_, c)| c).collect();
+        let all = futures_util::future::join_all(channels.into_iter().map(|mut c| async move {
+            if let Some(task) = c.task.take() {
                 let _ = task.await;
             }
-            let connection = channel.connection.take();
-            let gone = async {
-                if let Some(connection) = connection {
-                    connection.graceful_shutdown().await;
-                }
-                // Err once the manager, and with it every object, is gone.
-                while channel.life.changed().await.is_ok() {}
-            };
-            if tokio::time::timeout(SEND_TIMEOUT, gone).await.is_err() {
-                tracing::warn!("a direct connection's calls did not end in time");
+            if let Some(connection) = c.connection.take() {
+                connection.graceful_shutdown().await;
             }
+            // Err once the manager, and with it every object, is gone.
+            while c.life.changed().await.is_ok() {}
+        }));
+        if tokio::time::timeout(SEND_TIMEOUT, all).await.is_err() {
+            tracing::warn!(
+                "direct connections' calls did not end within {SEND_TIMEOUT:?} of the stop"
+            );
         }
     }
 
@@ -176,6 +206,7 @@ pub fn open(ctx: &Arc<Context>, caller: &Caller) -> Result<OwnedFd, Error> {
         .and_then(|()| tokio::net::UnixStream::from_std(ours))
         .map_err(|e| Error::DeviceError(format!("cannot serve a direct connection: {e}")))?;
     let (life, life_watch) = tokio::sync::watch::channel(());
+    let flow = Arc::new(Flow::default());
     let name = {
         let mut state = lock(&ctx.direct.state);
         if state.closed {
@@ -199,6 +230,8 @@ pub fn open(ctx: &Arc<Context>, caller: &Caller) -> Result<OwnedFd, Error> {
                 connection: None,
                 task: None,
                 life: life_watch.clone(),
+                flow: Arc::clone(&flow),
+                closing: false,
             },
         );
         name
@@ -208,7 +241,9 @@ pub fn open(ctx: &Arc<Context>, caller: &Caller) -> Result<OwnedFd, Error> {
         ..caller.clone()
     };
     ctx.callers.add_direct(&guid, channel_caller.clone());
-    let task = tokio::spawn(run(Arc::clone(ctx), channel_caller, guid, stream, life));
+    let socket = FlowControlled { stream, flow };
+    let lives = (life, life_watch);
+    let task = tokio::spawn(run(Arc::clone(ctx), channel_caller, guid, socket, lives));
     {
         let mut state = lock(&ctx.direct.state);
         let stopping = state.closed;
@@ -234,14 +269,13 @@ async fn run(
     ctx: Arc<Context>,
     caller: Caller,
     guid: String,
-    stream: tokio::net::UnixStream,
-    life: tokio::sync::watch::Sender<()>,
+    socket: FlowControlled,
+    (life, mut lived): (
+        tokio::sync::watch::Sender<()>,
+        tokio::sync::watch::Receiver<()>,
+    ),
 ) {
     let name = caller.bus_name.clone();
-    let socket = FlowControlled {
-        stream,
-        flow: Arc::default(),
-    };
     let built = async {
         let builder = zbus::connection::Builder::authenticated_socket(socket, guid.as_str())?.p2p();
         super::with_objects(builder, &ctx, Some(life))?
@@ -274,9 +308,20 @@ async fn run(
     if registered {
         connection.closed().await;
     }
-    ctx.direct.remove(&name);
+    // The channel stays listed, closing, until what was opened on it is closed and nothing
+    // it served is left — calls still running on it included — so that a stopping daemon
+    // waits for all of it.
+    if let Some(channel) = lock(&ctx.direct.state).open.get_mut(&name) {
+        channel.closing = true;
+        channel.connection = None;
+    }
     ctx.callers.forget_direct(&guid);
+    // The connection is held while its object server is used.
     ctx.connection_gone(connection.object_server(), &name).await;
+    drop(connection);
+    // Err once the channel's manager, and with it every object it served, is gone.
+    while lived.changed().await.is_ok() {}
+    ctx.direct.remove(&name);
     tracing::info!(channel = %name, "direct connection closed");
 }
 
@@ -293,12 +338,26 @@ struct FlowState {
     calls: HashMap<u32, (usize, usize)>,
     bytes: usize,
     fds: usize,
+    /// Set once a reply could not be written or the channel was shut: the connection is
+    /// ending, and its reader must go on to see it end.
+    broken: bool,
 }
 
 impl FlowState {
     fn full(&self) -> bool {
-        self.calls.len() >= MAX_CALLS || self.bytes >= MAX_CALL_BYTES || self.fds >= MAX_CALL_FDS
+        !self.broken
+            && (self.calls.len() >= MAX_CALLS
+                || self.bytes >= MAX_CALL_BYTES
+                || self.fds >= MAX_CALL_FDS)
     }
+}
+
+/// Why a message read from a direct connection ends it.
+fn refused(why: &str) -> zbus::Error {
+    zbus::Error::InputOutput(Arc::new(std::io::Error::new(
+        std::io::ErrorKind::InvalidData,
+        format!("direct connection closed: {why}"),
+    )))
 }
 
 impl Flow {
@@ -313,41 +372,57 @@ impl Flow {
         }
     }
 
-    fn called(&self, message: &Message) {
+    /// Counts a call read from the peer; refuses what would escape the count: a call that
+    /// asks for no reply (it would still run, uncounted) or one reusing the serial of a call
+    /// awaiting its reply.
+    fn called(&self, message: &Message) -> zbus::Result<()> {
         let header = message.header();
-        if header.message_type() != Type::MethodCall
-            || header.primary().flags().contains(Flags::NoReplyExpected)
-        {
-            return;
+        if header.message_type() != Type::MethodCall {
+            return Ok(());
+        }
+        if header.primary().flags().contains(Flags::NoReplyExpected) {
+            return Err(refused("a call asked for no reply"));
         }
         let data = message.data();
         let (bytes, fds) = (data.len(), data.fds().len());
-        let mut state = lock(&self.state);
         let serial = header.primary().serial_num().get();
-        if let Some((b, f)) = state.calls.insert(serial, (bytes, fds)) {
-            // A serial used twice: count the call once.
-            state.bytes -= b;
-            state.fds -= f;
+        let mut state = lock(&self.state);
+        if state.calls.contains_key(&serial) {
+            return Err(refused(
+                "a call reused the serial of one awaiting its reply",
+            ));
         }
+        state.calls.insert(serial, (bytes, fds));
         state.bytes += bytes;
         state.fds += fds;
+        Ok(())
     }
 
-    fn replied(&self, message: &Message) {
+    /// A reply left (or failed to: then the connection is ending).
+    fn replied(&self, message: &Message, sent: bool) {
         let header = message.header();
         if !matches!(header.message_type(), Type::MethodReturn | Type::Error) {
+            if !sent {
+                self.break_off();
+            }
             return;
         }
-        let Some(serial) = header.reply_serial() else {
-            return;
-        };
         let mut state = lock(&self.state);
-        if let Some((bytes, fds)) = state.calls.remove(&serial.get()) {
-            state.bytes -= bytes;
-            state.fds -= fds;
-            drop(state);
-            self.changed.notify_waiters();
+        if let Some(serial) = header.reply_serial() {
+            if let Some((bytes, fds)) = state.calls.remove(&serial.get()) {
+                state.bytes -= bytes;
+                state.fds -= fds;
+            }
         }
+        state.broken |= !sent;
+        drop(state);
+        self.changed.notify_waiters();
+    }
+
+    /// The connection is ending: its reader no longer waits for room.
+    fn break_off(&self) {
+        lock(&self.state).broken = true;
+        self.changed.notify_waiters();
     }
 }
 
@@ -367,7 +442,7 @@ impl zbus::connection::Socket for FlowControlled {
         let (read, write) = self.stream.into_split();
         Split::new(
             FlowReader {
-                inner: read,
+                inner: Limited::new(read),
                 flow: Arc::clone(&self.flow),
             },
             FlowWriter {
@@ -380,7 +455,7 @@ impl zbus::connection::Socket for FlowControlled {
 
 #[derive(Debug)]
 struct FlowReader {
-    inner: tokio::net::unix::OwnedReadHalf,
+    inner: Limited,
     flow: Arc<Flow>,
 }
 
@@ -397,8 +472,82 @@ impl ReadHalf for FlowReader {
             .inner
             .receive_message(seq, already_received_bytes, already_received_fds)
             .await?;
-        self.flow.called(&message);
+        self.flow.called(&message)?;
         Ok(message)
+    }
+
+    fn can_pass_unix_fd(&self) -> bool {
+        true
+    }
+}
+
+/// The socket's read half, refusing a message longer than [`MAX_MESSAGE_BYTES`] as soon as
+/// its fixed header says so — before zbus makes room for it. zbus reads a message as its
+/// 16-byte fixed header, then the rest into a buffer of the length the header gives;
+/// reads never cross from one message into the next (the connection is pre-authenticated:
+/// nothing was read ahead).
+#[derive(Debug)]
+struct Limited {
+    inner: tokio::net::unix::OwnedReadHalf,
+    /// The fixed header of the next message, as far as it is read.
+    header: [u8; 16],
+    header_read: usize,
+    /// Bytes of the current message still to come after its fixed header.
+    rest: usize,
+}
+
+impl Limited {
+    fn new(inner: tokio::net::unix::OwnedReadHalf) -> Limited {
+        Limited {
+            inner,
+            header: [0; 16],
+            header_read: 0,
+            rest: 0,
+        }
+    }
+
+    /// A message's whole length from its fixed header (D-Bus: endianness, type, flags,
+    /// version, body length, serial, header fields' length; the body starts 8-aligned).
+    fn message_len(header: &[u8; 16]) -> usize {
+        let word = |at: usize| {
+            let bytes = [header[at], header[at + 1], header[at + 2], header[at + 3]];
+            if header[0] == b'B' {
+                u32::from_be_bytes(bytes)
+            } else {
+                u32::from_le_bytes(bytes)
+            }
+        };
+        let fields_end = 16 + word(12) as usize;
+        fields_end.next_multiple_of(8) + word(4) as usize
+    }
+}
+
+#[async_trait::async_trait]
+impl ReadHalf for Limited {
+    async fn recvmsg(&mut self, buf: &mut [u8]) -> std::io::Result<(usize, Vec<OwnedFd>)> {
+        let (n, fds) = self.inner.recvmsg(buf).await?;
+        if self.rest > 0 {
+            self.rest = self.rest.saturating_sub(n);
+            return Ok((n, fds));
+        }
+        let take = n.min(16 - self.header_read);
+        self.header[self.header_read..self.header_read + take].copy_from_slice(&buf[..take]);
+        self.header_read += take;
+        if self.header_read == 16 {
+            self.header_read = 0;
+            let len = Limited::message_len(&self.header);
+            if len > MAX_MESSAGE_BYTES {
+                return Err(std::io::Error::new(
+                    std::io::ErrorKind::InvalidData,
+                    format!(
+                        "direct connection closed: a message of {len} bytes (at most \
+                         {MAX_MESSAGE_BYTES})"
+                    ),
+                ));
+            }
+            self.rest = len - 16 - (n - take);
+        }
+        Ok((n, fds))
     }
 
     fn can_pass_unix_fd(&self) -> bool {
@@ -415,9 +564,9 @@ struct FlowWriter {
 #[async_trait::async_trait]
 impl WriteHalf for FlowWriter {
     async fn send_message(&mut self, message: &Message) -> zbus::Result<()> {
-        self.inner.send_message(message).await?;
-        self.flow.replied(message);
-        Ok(())
+        let sent = self.inner.send_message(message).await;
+        self.flow.replied(message, sent.is_ok());
+        sent
     }
 
     async fn close(&mut self) -> std::io::Result<()> {

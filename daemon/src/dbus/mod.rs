@@ -185,12 +185,8 @@ pub async fn unserve(served: Served, engine: &Engine) {
     watcher.abort();
     // Wait until the task (and the engine reference it holds) is gone.
     let _ = watcher.await;
-    ctx.direct.close_all().await;
-    // What direct connections served is gone with them; the bus's objects are withdrawn
-    // below, and the context keeps none of them.
-    crate::lock::lock(&ctx.served_direct).clear();
-    crate::lock::lock(&ctx.bus).take();
-    drop(ctx);
+    // Direct connections: shut now; what was opened on them closes as they end.
+    ctx.direct.shut_all();
     if let Err(e) = connection.release_name(BUS_NAME).await {
         tracing::warn!("cannot release the bus name: {e}");
     }
@@ -205,6 +201,12 @@ pub async fn unserve(served: Served, engine: &Engine) {
         results.push(server.remove::<pool::PoolObject, _>(path).await);
     }
     let removed = engine.close_all();
+    // With every session closed no call on a direct connection waits any more (for a
+    // connection by address, say): wait for them to end, then let go of what they served.
+    ctx.direct.wait_all().await;
+    crate::lock::lock(&ctx.served_direct).clear();
+    crate::lock::lock(&ctx.bus).take();
+    drop(ctx);
     // Regions and queue pairs made on direct connections were served there alone.
     let on_bus = |r: zbus::Result<bool>| match r {
         Err(zbus::Error::InterfaceNotFound) => Ok(false),

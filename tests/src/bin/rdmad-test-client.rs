@@ -56,6 +56,8 @@
 //!   whoami                        → this client's unique name on the bus
 //!   forged SENDER METHOD          → Manager.METHOD() (ListSessions: the uids listed;
 //!                                 Reload) sent with a made-up sender header
+//!   raw-direct noreply|huge       → "closed" if rdmad closes a fresh direct connection
+//!                                 after a call that wants no reply / announces 100 MiB
 //!   flood-direct N                → how many of N ListDevices calls went out on a fresh
 //!                                 direct connection's raw socket, never reading a reply
 //!                                 (the socket stays open)
@@ -313,6 +315,46 @@ async fn flood_direct(
         written += 1;
     }
     Ok((written, socket))
+}
+
+/// Opens a direct connection and writes one message on its raw socket: `noreply`, a
+/// `ListDevices` call flagged as wanting no reply; `huge`, one whose header announces a
+/// 100 MiB body. Answers `"closed"` if rdmad then closes the connection (within a minute).
+async fn raw_direct(manager: &ManagerProxy<'_>, kind: &str) -> Result<Value, Error> {
+    use std::io::{Read, Write};
+    let fd = manager.open_direct(Options::new()).await?;
+    let mut socket = std::os::unix::net::UnixStream::from(OwnedFd::from(fd));
+    let call = zbus::message::Message::method_call(rdmad_client::MANAGER_PATH, "ListDevices")?
+        .interface("org.rdmad1.Manager")?;
+    let bytes = match kind {
+        "noreply" => call
+            .with_flags(zbus::message::Flags::NoReplyExpected)?
+            .build(&())?
+            .data()
+            .to_vec(),
+        "huge" => {
+            let mut bytes = call.build(&())?.data().to_vec();
+            // The body length, in the message's own byte order (zbus writes little-endian).
+            bytes[4..8].copy_from_slice(&(100u32 << 20).to_le_bytes());
+            bytes
+        }
+        other => return Err(Error::InvalidArgument(format!("raw-direct {other}?"))),
+    };
+    let io = |e: std::io::Error| Error::InvalidArgument(e.to_string());
+    socket.write_all(&bytes).map_err(io)?;
+    socket
+        .set_read_timeout(Some(std::time::Duration::from_secs(60)))
+        .map_err(io)?;
+    // rdmad's signals (its objects, as the connection starts) may come first: what
+    // matters is whether the connection then ends.
+    let mut answer = Vec::new();
+    match socket.read_to_end(&mut answer) {
+        Ok(_) => Ok(json!("closed")),
+        Err(e) => Ok(json!(format!(
+            "still open after {} bytes: {e}",
+            answer.len()
+        ))),
+    }
 }
 
 async fn session_proxy<'a>(c: &zbus::Connection, path: &str) -> Result<SessionProxy<'a>, Error> {
@@ -900,6 +942,7 @@ async fn main() {
                 }
                 "whoami" => Ok(json!(bus.unique_name().map(|n| n.to_string()))),
                 "forged" => forged_call(&c, arg(0), arg(1)).await,
+                "raw-direct" => raw_direct(&manager_on_bus, arg(0)).await,
                 "flood-direct" => {
                     let (written, socket) = flood_direct(&manager_on_bus, num(0)).await?;
                     flooded.push(socket);
