@@ -34,8 +34,12 @@ const FUZZERS: [(Option<u32>, bool); 6] = [
     (None, false),
     (Some(NOBODY), false),
     (None, true),
-    (Some(NOBODY), true),
+    (Some(BIN), true),
 ];
+
+/// The direct connections' unprivileged fuzzer's user (`bin`, uid 2 on Debian): a user of
+/// its own, so that the bus fuzzers of `nobody` keep their quota to themselves.
+const BIN: u32 = 2;
 
 /// The well-behaved client's user (`daemon`); the fuzzers running as root never close its
 /// sessions (`--spare-uid`), everything else they may do.
@@ -61,7 +65,7 @@ log_level = "warn"
 
 [[pool]]
 name = "fuzz"
-capacity = "8MiB"
+capacity = "12MiB"
 size_classes = ["4KiB", "64KiB", "1MiB"]
 
 [[pool]]
@@ -81,6 +85,14 @@ regions = 24
 registered_bytes = "6MiB"
 keys = 24
 qps = 6
+
+# Three fuzzers run as root (two on the bus, one on direct connections).
+[quota.user.root]
+sessions = 9
+regions = 36
+registered_bytes = "9MiB"
+keys = 36
+qps = 9
 "#;
 
 fn env_u64(name: &str) -> Option<u64> {

@@ -141,11 +141,11 @@ impl Channels {
     pub async fn wait_all(&self) {
         let channels: Vec<Channel> = lock(&self.state).open.drain().map(|(_, c)| c).collect();
         let all = futures_util::future::join_all(channels.into_iter().map(|mut c| async move {
+            // Let go of the connection first: the channel's task waits until nothing holds
+            // what it served, this included.
+            drop(c.connection.take());
             if let Some(task) = c.task.take() {
                 let _ = task.await;
-            }
-            if let Some(connection) = c.connection.take() {
-                connection.graceful_shutdown().await;
             }
             // Err once the manager, and with it every object, is gone.
             while c.life.changed().await.is_ok() {}
