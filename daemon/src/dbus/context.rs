@@ -44,6 +44,16 @@ pub async fn settled(engine: &Arc<Engine>) {
     }
 }
 
+/// The outcome of withdrawing an object from an object server: whether it was served
+/// there (`ObjectServer::remove` fails with `InterfaceNotFound` when it was not).
+pub fn served(removal: zbus::Result<bool>) -> zbus::Result<bool> {
+    match removal {
+        Ok(_) => Ok(true),
+        Err(zbus::Error::InterfaceNotFound) => Ok(false),
+        Err(e) => Err(e),
+    }
+}
+
 pub struct Context {
     pub engine: Arc<Engine>,
     pub callers: CallerCache,
@@ -255,11 +265,6 @@ impl Context {
         server: &ObjectServer,
         path: String,
     ) -> zbus::Result<bool> {
-        let served = |r: zbus::Result<bool>| match r {
-            Ok(_) => Ok(true),
-            Err(zbus::Error::InterfaceNotFound) => Ok(false),
-            Err(e) => Err(e),
-        };
         let channel = lock(&self.served_direct).remove(&path);
         let mut found = false;
         if let Some(name) = channel {

@@ -208,19 +208,17 @@ pub async fn unserve(served: Served, engine: &Engine) {
     crate::lock::lock(&ctx.bus).take();
     drop(ctx);
     // Regions and queue pairs made on direct connections were served there alone.
-    let on_bus = |r: zbus::Result<bool>| match r {
-        Err(zbus::Error::InterfaceNotFound) => Ok(false),
-        other => other,
-    };
     for id in &removed.qps {
         let path = rdmad_client::names::qp_path(id.0);
-        results.push(on_bus(
+        results.push(context::served(
             server.remove::<queue_pair::QueuePairObject, _>(path).await,
         ));
     }
     for id in &removed.regions {
         let path = rdmad_client::names::region_path(id.0);
-        results.push(on_bus(server.remove::<region::RegionObject, _>(path).await));
+        results.push(context::served(
+            server.remove::<region::RegionObject, _>(path).await,
+        ));
     }
     for id in &removed.sessions {
         results.push(

@@ -72,9 +72,7 @@ impl Engine {
                 // may take the room first (a user's many clients freeing and allocating at
                 // once), so this repeats while releases are queued, a bounded number of
                 // times.
-                Err(EngineError::Quota(_) | EngineError::Pool(PoolError::Exhausted { .. }))
-                    if waits < SETTLE_ATTEMPTS && self.releaser.pending() =>
-                {
+                Err(e) if waits < SETTLE_ATTEMPTS && self.room_on_its_way(&e) => {
                     waits += 1;
                     self.settled();
                 }
@@ -102,13 +100,18 @@ impl Engine {
             .registry
             .allocate_warm(owner, limits, pools, session, pool, size)
         {
-            Err(EngineError::Quota(_) | EngineError::Pool(PoolError::Exhausted { .. }))
-                if self.releaser.pending() =>
-            {
-                Ok(None)
-            }
+            Err(e) if self.room_on_its_way(&e) => Ok(None),
             result => result,
         }
+    }
+
+    /// Whether `e` refused an allocation for want of room that memory still being released
+    /// may give back: waiting for the releases (`settled`) and trying again may succeed.
+    fn room_on_its_way(&self, e: &EngineError) -> bool {
+        matches!(
+            e,
+            EngineError::Quota(_) | EngineError::Pool(PoolError::Exhausted { .. })
+        ) && self.releaser.pending()
     }
 
     /// Frees region `id` (`owner`'s connection's); returns what was removed. Returns once
