@@ -9,6 +9,7 @@ pub mod client;
 pub mod daemon;
 pub mod notify;
 pub mod peer;
+pub mod process;
 pub mod rng;
 
 use std::path::PathBuf;

@@ -12,7 +12,7 @@ use std::collections::HashMap;
 use rdmad_tests::across::{assert_back, assert_both_back, connected_across, peer};
 use rdmad_tests::client::{assert_completion, Client};
 use rdmad_tests::daemon::{
-    device_and_gid, object_counts, rdmactl, spawn_rdmactl, start_on, wait_for_sessions,
+    device_and_gid, object_counts, spawn_rdmactl, start_on, wait_for_sessions,
 };
 use rdmad_tests::peer::{Output, Peer, PeerProgram, PeerRdmad};
 use rdmad_tests::NOBODY;
@@ -72,6 +72,17 @@ fn assert_ran(out: &Output, what: &str) {
         out.stdout,
         out.stderr
     );
+}
+
+/// The output of a program this host runs through its rdmad (`rdmactl exec`): one that
+/// has not ended within twice [`rdmad_tests::TIMEOUT`] (these take seconds) fails the test
+/// showing where it waits.
+fn here_within(program: std::process::Child, name: &str) -> std::process::Output {
+    rdmad_tests::process::output_within(
+        program,
+        2 * rdmad_tests::TIMEOUT,
+        &format!("{name} through this host's rdmad"),
+    )
 }
 
 fn assert_local(out: &std::process::Output, what: &str) -> String {
@@ -225,12 +236,13 @@ async fn programs_across_the_wire(peer_rdmad: Option<&PeerRdmad>) {
                 rdmad_tests::wait_for_listener(port).await;
                 remote.push(&peer.own_address);
                 let client = peer.run(peer_uid, &remote, &peer_env);
-                (server.wait_with_output().expect("server output"), client)
+                (here_within(server, program), client)
             } else {
                 let server = peer.spawn(peer_uid, &remote, &peer_env);
                 peer.wait_for_listener(port);
-                let client = rdmactl(&bus, Some(NOBODY), &[&local[..], &[&peer.address]].concat());
-                (client, server.wait())
+                let local = [&local[..], &[&peer.address]].concat();
+                let client = spawn_rdmactl(&bus, Some(NOBODY), &local);
+                (here_within(client, program), server.wait())
             };
             let round = format!(
                 "{program} between this host's rdmad and {peer_side}, {} serving",
@@ -1081,13 +1093,13 @@ async fn rdma_cm_program_rounds(program: &CmProgram, first_port: u16) {
             wait_for_cm_listener(None, port);
             remote.push(&peer.own_address);
             let client = peer.run(peer_uid, &remote, &peer_env);
-            (server.wait_with_output().expect("server output"), client)
+            (here_within(server, name), client)
         } else {
             let server = peer.spawn(peer_uid, &remote, &peer_env);
             wait_for_cm_listener(Some(&peer), port);
             local.push(&peer.address);
-            let client = rdmactl(&bus, Some(NOBODY), &local);
-            (client, server.wait())
+            let client = spawn_rdmactl(&bus, Some(NOBODY), &local);
+            (here_within(client, name), server.wait())
         };
         let round = format!("{name}, {round}");
         assert_ran(&remote_out, &round);
