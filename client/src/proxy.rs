@@ -218,9 +218,6 @@ pub trait Pool {
     fn device(&self) -> zbus::Result<String>;
     #[zbus(property(emits_changed_signal = "const"))]
     fn capacity(&self) -> zbus::Result<u64>;
-    /// Regions of each size class the pool keeps warm (its `warm` setting).
-    #[zbus(property(emits_changed_signal = "const"))]
-    fn warm(&self) -> zbus::Result<u32>;
     #[zbus(property(emits_changed_signal = "false"))]
     fn used(&self) -> zbus::Result<u64>;
     #[zbus(property(emits_changed_signal = "false"))]

@@ -264,7 +264,8 @@ pub fn device_and_gid(bus: &PrivateBus) -> (String, String) {
 }
 
 /// A private bus and a daemon on it serving `provider` (`"loopback"` or `"verbs"`) with
-/// configuration `config`, ready.
+/// configuration `config` (logging at info level, the default), ready, its pools' warm
+/// sets filled.
 pub async fn start_on(provider: &str, config: &str) -> (PrivateBus, Daemon) {
     start_with_env(provider, config, Vec::new()).await
 }
@@ -290,52 +291,10 @@ pub async fn start_with_env(
         },
     )
     .await;
-    warm_sets_full(&bus).await;
+    // Object counts taken from here on are a baseline: the daemon's own registrations (its
+    // pools' warm sets) are all there.
+    daemon.wait_for_log("warm sets filled", 1).await;
     (bus, daemon)
-}
-
-/// Waits until every pool's warm set is full (`WarmRegions` = `Warm` × its size classes),
-/// as it is soon after rdmad starts: from then on the daemon's own registrations stay put,
-/// so object counts taken then are a baseline. rdmad sends no signal for it: this asks
-/// again until it is so, or fails after [`TIMEOUT`].
-pub async fn warm_sets_full(bus: &PrivateBus) {
-    let connection = bus.connect().await;
-    let manager = rdmad_client::proxy::ManagerProxy::new(&connection)
-        .await
-        .expect("manager proxy");
-    let mut full = std::collections::HashMap::new();
-    for pool in manager.list_pools().await.expect("ListPools") {
-        let warm = rdmad_client::proxy::PoolProxy::builder(&connection)
-            .path(pool.path.clone())
-            .expect("pool path")
-            .build()
-            .await
-            .expect("pool proxy")
-            .warm()
-            .await
-            .expect("Pool.Warm");
-        full.insert(pool.name, u64::from(warm) * pool.size_classes.len() as u64);
-    }
-    let deadline = std::time::Instant::now() + TIMEOUT;
-    loop {
-        let short: Vec<String> = manager
-            .list_pools()
-            .await
-            .expect("ListPools")
-            .into_iter()
-            .filter(|p| p.warm_regions < full[&p.name])
-            .map(|p| format!("{}: {} of {}", p.name, p.warm_regions, full[&p.name]))
-            .collect();
-        if short.is_empty() {
-            return;
-        }
-        assert!(
-            std::time::Instant::now() < deadline,
-            "the warm sets did not fill within {TIMEOUT:?}: {}",
-            short.join(", ")
-        );
-        tokio::task::yield_now().await;
-    }
 }
 
 /// `Manager.ObjectCounts`: live daemon and provider objects by kind.

@@ -13,6 +13,8 @@ rdmad::on_both_providers!(async
     small_sends_and_writes_go_inline / rxe_small_sends_and_writes_go_inline,
     an_export_of_a_flushed_queue_pair_is_released_quietly
         / rxe_an_export_of_a_flushed_queue_pair_is_released_quietly,
+    what_is_posted_after_a_flush_completes_flushed
+        / rxe_what_is_posted_after_a_flush_completes_flushed,
 );
 
 mod bodies {
@@ -152,6 +154,33 @@ mod bodies {
             !log.contains("WARN") && !log.contains("ERROR"),
             "the release of a flushed QP's export is no failure:\n{log}"
         );
+    }
+
+    /// Requests a client posts after moving its QP to the error state (`Flush`) complete
+    /// flushed, receives in the order they were posted after the one the QP held. (Soft-RoCE
+    /// never completes a receive posted to a QP in that state: rdmad completes those
+    /// itself. A program that waits for them, as rping's CQ thread does when it
+    /// disconnects, would otherwise wait for ever.)
+    pub async fn what_is_posted_after_a_flush_completes_flushed(provider: &str) {
+        let _alone = rdmad_tests::ALONE.lock().await;
+        let (bus, _d) = start_on(provider, "").await;
+        let (mut a, _b) = connected_pair(&bus);
+        a.ok("post 0 recv 0 0 64 1");
+        a.ok("flush 0");
+        a.ok("post 0 recv 0 0 64 2");
+        a.ok("post 0 recv 0 64 64 3");
+        a.ok("post 0 send 0 128 8 4");
+        let mut recvs = Vec::new();
+        let mut sends = Vec::new();
+        for _ in 0..4 {
+            let c = a.ok("wait 0");
+            assert_eq!(c["status"], "WrFlushError", "{c}");
+            match c["opcode"].as_str() {
+                Some("Recv") => recvs.push(c["wr_id"].as_u64().unwrap()),
+                _ => sends.push(c["wr_id"].as_u64().unwrap()),
+            }
+        }
+        assert_eq!((recvs, sends), (vec![1, 2, 3], vec![4]));
     }
 
     /// Malformed, foreign, out-of-bounds and flooding requests each fail with an error

@@ -42,7 +42,9 @@ pub fn provider_error(e: ProviderError) -> Error {
         ProviderError::NotSupported { .. } => Error::NotSupported(message),
         ProviderError::InvalidArgument { .. } => Error::InvalidArgument(message),
         ProviderError::Connection { .. } => Error::ConnectionFailed(message),
-        ProviderError::NoDevices(_) | ProviderError::Os { .. } => Error::DeviceError(message),
+        ProviderError::NoDevices(_) | ProviderError::Os { .. } | ProviderError::Flushed { .. } => {
+            Error::DeviceError(message)
+        }
     }
 }
 

@@ -54,13 +54,6 @@ impl PoolObject {
             .collect())
     }
 
-    /// Regions of each size class the pool keeps warm (its `warm` setting): `WarmRegions`
-    /// reaches this times the number of size classes once the warm set is full.
-    #[zbus(property(emits_changed_signal = "const"))]
-    async fn warm(&self) -> zbus::fdo::Result<u32> {
-        Ok(self.snapshot()?.config.warm)
-    }
-
     /// Bytes of regions handed out.
     #[zbus(property(emits_changed_signal = "false"))]
     async fn used(&self) -> zbus::fdo::Result<u64> {

@@ -253,6 +253,12 @@ impl Pool {
         }
     }
 
+    /// Whether every size class has its `warm` regions ready.
+    pub fn warm_full(&self) -> bool {
+        let target = self.config.warm as usize;
+        lock(&self.state).warm.iter().all(|w| w.len() >= target)
+    }
+
     /// Drops the warm set (shutdown).
     pub fn drain(&self) {
         let warm = std::mem::take(&mut lock(&self.state).warm);
@@ -298,6 +304,8 @@ pub fn spawn_refill_thread(
     pools: Vec<Arc<Pool>>,
     refill: Arc<Refill>,
 ) -> std::io::Result<std::thread::JoinHandle<()>> {
+    let started = std::time::Instant::now();
+    let mut announced = false;
     std::thread::Builder::new()
         .name("rdmad-refill".into())
         .spawn(move || loop {
@@ -320,6 +328,16 @@ pub fn spawn_refill_thread(
                         return;
                     }
                 }
+            }
+            // Once after start: from here on, allocations are served warm.
+            if !announced && pools.iter().all(|p| p.warm_full()) {
+                announced = true;
+                let regions: u64 = pools.iter().map(|p| p.stats().warm_regions).sum();
+                tracing::info!(
+                    regions,
+                    elapsed = ?started.elapsed(),
+                    "warm sets filled"
+                );
             }
         })
 }

@@ -79,6 +79,11 @@ pub enum ProviderError {
     /// did not answer; the message says which, with what the peer said.
     #[error("{message}")]
     Connection { device: String, message: String },
+    /// The queue pair is in the error state and the device would never complete what was
+    /// posted (Soft-RoCE's receives): nothing was posted; the caller completes the
+    /// requests flushed (`WrFlushError`) itself, after those the device holds.
+    #[error("{device}: the queue pair is in the error state: the requests complete flushed")]
+    Flushed { device: String },
 }
 
 /// A batch post that stopped part-way: the first `posted` requests are on the device (they

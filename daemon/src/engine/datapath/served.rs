@@ -13,7 +13,7 @@ use rustc_hash::FxHashMap as HashMap;
 use super::validate::{self, RegionRights, Work};
 use super::worker::{Reply, WorkerError};
 use crate::engine::qp::{QpId, QueuePairRecord};
-use crate::provider::{PostError, WcOpcode, WcStatus, WorkCompletion};
+use crate::provider::{PostError, ProviderError, WcOpcode, WcStatus, WorkCompletion};
 
 /// The most submissions one QP gets taken in one pass of the worker: a QP with a full ring
 /// waits for the next pass like every other, so each pass over N busy QPs costs at most N
@@ -44,6 +44,15 @@ pub(super) struct ServedQp {
     /// Completions waiting for room in the ring: bounded, because the worker stops taking
     /// submissions while it holds a ring's worth (see [`ServedQp::can_consume`]).
     backlog: VecDeque<Completion>,
+    /// Receives the device would not take because the QP is in the error state
+    /// ([`ProviderError::Flushed`]), completed flushed: they join the backlog once the
+    /// device has flushed the receives it holds, so receives complete in the order they
+    /// were posted. Counted against the receive queue's depth.
+    flushed_recvs: VecDeque<Completion>,
+    /// Whether the device completed a request with an error (not a flush): an RC QP is in
+    /// the error state from then on, and the worker has moved it there once more so that
+    /// the provider knows it too (see `flushed_recvs`).
+    device_failed: bool,
     /// Whether `CQ_WAITING` is set in the ring.
     waiting: bool,
     /// Reused for every pass, so that a steady stream of requests allocates no batches.
@@ -74,6 +83,8 @@ impl ServedQp {
             sends: 0,
             recvs: 0,
             backlog: VecDeque::new(),
+            flushed_recvs: VecDeque::new(),
+            device_failed: false,
             waiting: false,
             scratch: Scratch::default(),
             last_active: std::time::Instant::now(),
@@ -117,6 +128,10 @@ impl ServedQp {
             busy |= self.reap();
             // A software device moves large requests a turn per poll: keep polling.
             busy |= self.record.cq.needs_polling();
+        }
+        if self.recvs == 0 && !self.flushed_recvs.is_empty() {
+            self.backlog.extend(self.flushed_recvs.drain(..));
+            busy = true;
         }
         busy | self.deliver()
     }
@@ -216,7 +231,7 @@ impl ServedQp {
             let (depth, used) = if is_recv {
                 (
                     self.record.options.recv_depth,
-                    self.recvs + recvs.len() as u32,
+                    self.recvs + self.flushed_recvs.len() as u32 + recvs.len() as u32,
                 )
             } else {
                 (
@@ -273,8 +288,17 @@ impl ServedQp {
         // A device takes a prefix of each batch; request ids grow in the order they were
         // staged, so the first request it did not take marks the cut.
         let mut recv_cut = u64::MAX;
+        let mut recvs_flushed = false;
         if !recvs.is_empty() {
-            let n = taken("post_recv", recvs.len(), self.record.qp.post_recv(recvs));
+            let result = self.record.qp.post_recv(recvs);
+            recvs_flushed = matches!(
+                &result,
+                Err(PostError {
+                    error: ProviderError::Flushed { .. },
+                    ..
+                })
+            );
+            let n = taken("post_recv", recvs.len(), result);
             recv_cut = recvs.get(n).map_or(u64::MAX, |w| w.wr_id);
         }
         let mut send_cut = u64::MAX;
@@ -293,6 +317,19 @@ impl ServedQp {
                 }
                 self.in_flight.insert(wr, flight);
                 posted += 1;
+            } else if is_recv && recvs_flushed {
+                self.record
+                    .counters
+                    .failed
+                    .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                self.flushed_recvs.push_back(Completion {
+                    wr_id: flight.client_wr_id,
+                    status: Status::WrFlushError,
+                    opcode: Opcode::Recv,
+                    byte_len: 0,
+                    imm: None,
+                    detail: 0,
+                });
             } else {
                 self.refuse(flight.client_wr_id, flight.opcode, Status::DeviceError, 0);
             }
@@ -318,6 +355,16 @@ impl ServedQp {
             return false;
         }
         let any = !wcs.is_empty();
+        if !self.device_failed
+            && wcs
+                .iter()
+                .any(|wc| !matches!(wc.status, WcStatus::Success | WcStatus::WrFlushError))
+        {
+            self.device_failed = true;
+            if let Err(e) = self.record.qp.to_error() {
+                tracing::debug!(qp = %self.id, "after an error completion: {e}");
+            }
+        }
         for wc in wcs.drain(..) {
             if let Some(waiter) = self.internal.remove(&wc.wr_id) {
                 self.sends -= 1;

@@ -9,7 +9,7 @@
 use std::io;
 use std::os::raw::{c_int, c_uint};
 use std::ptr::{self, NonNull};
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::sync::Arc;
 
 use rdma_sys::{
@@ -37,6 +37,24 @@ pub(super) struct VerbsQp {
     _send_cq: Arc<dyn CompletionQueue>,
     _recv_cq: Arc<dyn CompletionQueue>,
     pd: Arc<PdInner>,
+    /// Set once the QP is moved to ERR ([`QueuePair::to_error`]). Soft-RoCE (Linux 6.1)
+    /// never completes a receive posted to a QP in ERR — measured: the receives it held
+    /// complete flushed, later ones never do (sends posted in ERR do complete flushed) — so
+    /// from then on `post_recv` takes none ([`ProviderError::Flushed`]) and the caller
+    /// completes them flushed itself.
+    errored: AtomicBool,
+    /// `post_recv` calls under way: `to_error` lets them finish before it moves the QP,
+    /// so no receive reaches the device after the move.
+    recv_posts: AtomicU32,
+}
+
+/// Counts a `post_recv` under way for as long as it lives.
+struct RecvPosting<'a>(&'a AtomicU32);
+
+impl Drop for RecvPosting<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::SeqCst);
+    }
 }
 
 // SAFETY: the QP is only passed to libibverbs calls, which are thread safe (module docs of
@@ -94,6 +112,8 @@ pub(super) fn create(pd: &Arc<PdInner>, init: QpInit) -> Result<Arc<dyn QueuePai
         _send_cq: init.send_cq,
         _recv_cq: init.recv_cq,
         pd: Arc::clone(pd),
+        errored: AtomicBool::new(false),
+        recv_posts: AtomicU32::new(0),
     }))
 }
 
@@ -444,14 +464,25 @@ impl QueuePair for VerbsQp {
     }
 
     fn to_error(&self) -> Result<()> {
+        // Receives posted from here on are refused; those being posted reach the device
+        // before the move (the two SeqCst pairs: one side sees the other's store).
+        let was = self.errored.swap(true, Ordering::SeqCst);
+        while self.recv_posts.load(Ordering::SeqCst) != 0 {
+            std::thread::yield_now();
+        }
         // SAFETY: plain C data; all-zero bytes are valid.
         let mut attr: ibv_qp_attr = unsafe { std::mem::zeroed() };
         attr.qp_state = ibv_qp_state::IBV_QPS_ERR;
-        self.modify(
+        let moved = self.modify(
             &mut attr,
             ibv_qp_attr_mask::IBV_QP_STATE,
             "ibv_modify_qp(ERR)",
-        )
+        );
+        if moved.is_err() && !was {
+            // Not in ERR after all (RESET refuses the move): receives are taken again.
+            self.errored.store(false, Ordering::SeqCst);
+        }
+        moved
     }
 
     /// Binding a window updates its rkey (`MemoryWindow::rkey`) once the bind is posted,
@@ -512,6 +543,13 @@ impl QueuePair for VerbsQp {
     fn post_recv(&self, wrs: &[RecvWr]) -> Result<(), PostError> {
         if wrs.is_empty() {
             return Ok(());
+        }
+        self.recv_posts.fetch_add(1, Ordering::SeqCst);
+        let _posting = RecvPosting(&self.recv_posts);
+        if self.errored.load(Ordering::SeqCst) {
+            return Err(PostError::none(ProviderError::Flushed {
+                device: self.name().to_owned(),
+            }));
         }
         let mut sges: Vec<ibv_sge> = Vec::with_capacity(wrs.iter().map(|wr| wr.sges.len()).sum());
         let mut firsts = Vec::with_capacity(wrs.len());
@@ -928,6 +966,27 @@ mod tests {
             assert_eq!(b.state().unwrap(), QpState::Error);
             let wc = wait(peer_cq.as_ref());
             assert_eq!((wc.wr_id, wc.status), (9, WcStatus::WrFlushError));
+            // What is posted in ERROR: a send completes flushed; a receive Soft-RoCE would
+            // never complete is refused as flushed, for the caller to complete.
+            post(
+                b.as_ref(),
+                11,
+                SendOp::Send { imm: None },
+                vec![sge(&mr, 0, 16)],
+            );
+            let wc = wait(peer_cq.as_ref());
+            assert_eq!((wc.wr_id, wc.status), (11, WcStatus::WrFlushError));
+            let refused = b
+                .post_recv(&[RecvWr {
+                    wr_id: 10,
+                    sges: smallvec::smallvec![sge(&mr, 200, 16)],
+                }])
+                .expect_err("a receive posted in ERROR");
+            assert_eq!(refused.posted, 0);
+            assert!(
+                matches!(refused.error, ProviderError::Flushed { .. }),
+                "{refused}"
+            );
         }
         assert_eq!(dev.object_counts(), ObjectCounts::default());
     }
