@@ -297,6 +297,21 @@ pub async fn start_with_env(
     (bus, daemon)
 }
 
+/// A private bus and a loopback daemon on it with configuration `config`, ready once its
+/// name is on the bus, whatever level it logs at (its warm sets may still be filling).
+pub async fn start_loopback(config: &str) -> (PrivateBus, Daemon) {
+    let bus = PrivateBus::start();
+    let daemon = Daemon::start(
+        &bus,
+        DaemonOptions {
+            config: config.to_owned(),
+            ..DaemonOptions::default()
+        },
+    )
+    .await;
+    (bus, daemon)
+}
+
 /// `Manager.ObjectCounts`: live daemon and provider objects by kind.
 pub async fn object_counts(bus: &PrivateBus) -> std::collections::HashMap<String, u64> {
     let connection = bus.connect().await;

@@ -14,6 +14,11 @@ use serde::{Deserialize, Serialize};
 /// The port `rdmad-vm-peer` listens on, on the peer's wire address.
 pub const PORT: u16 = 18400;
 
+/// How long a program on the peer may take once the test waits for it: then it is killed
+/// and the test fails, saying where its threads waited (a hung program would otherwise
+/// hold the run until the VM tier's time-out, which leaves nothing to read).
+pub const PROGRAM_LIMIT: Duration = Duration::from_secs(4 * crate::TIMEOUT.as_secs());
+
 /// What a test asks of the peer.
 #[derive(Debug, Serialize, Deserialize)]
 pub enum Request {
@@ -23,8 +28,9 @@ pub enum Request {
         uid: Option<u32>,
         env: Vec<(String, String)>,
     },
-    /// Wait for a spawned program to end: its output.
-    Wait { id: u64 },
+    /// Wait for a spawned program to end (at most `timeout_ms`, after which it is killed
+    /// and the reply says where its threads waited): its output.
+    Wait { id: u64, timeout_ms: u64 },
     /// Send `signal` to a spawned program.
     Signal { id: u64, signal: i32 },
     /// Wait until something on the peer listens on TCP `port` (or `timeout_ms` passes).
@@ -273,7 +279,10 @@ pub struct PeerProgram {
 impl PeerProgram {
     /// Waits for it to end: what it printed.
     pub fn wait(self) -> Output {
-        match self.peer.ask(&Request::Wait { id: self.id }) {
+        match self.peer.ask(&Request::Wait {
+            id: self.id,
+            timeout_ms: PROGRAM_LIMIT.as_millis() as u64,
+        }) {
             Reply::Output {
                 status,
                 stdout,

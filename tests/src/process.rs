@@ -2,7 +2,7 @@
 //! printed and where each of its threads waits, instead of holding the run until the VM
 //! tier's timeout kills everything and nothing is left to read.
 
-use std::process::{Child, Output};
+use std::process::{Child, ExitStatus, Output};
 use std::time::Duration;
 
 /// Waits at most `limit` for `child` (its stdout and stderr piped) and returns its output.
@@ -11,12 +11,48 @@ use std::time::Duration;
 /// and what it printed; they are killed first, so nothing is left running.
 pub fn output_within(child: Child, limit: Duration, what: &str) -> Output {
     let pid = child.id();
+    match within(pid, limit, move || child.wait_with_output()) {
+        Ok(output) => output.unwrap_or_else(|e| panic!("{what}: waiting for it failed: {e}")),
+        Err((report, output)) => {
+            let printed = match output {
+                Some(Ok(out)) => format!(
+                    "stdout:\n{}\nstderr:\n{}",
+                    String::from_utf8_lossy(&out.stdout),
+                    String::from_utf8_lossy(&out.stderr)
+                ),
+                _ => "(its output could not be read after it was killed)".to_owned(),
+            };
+            panic!("{what} did not end within {limit:?}; its processes were:\n{report}\n{printed}")
+        }
+    }
+}
+
+/// Waits at most `limit` for `child` to end: its status, or, if it had not ended, where
+/// the threads of it and of its descendants waited (they are killed).
+pub fn wait_within(mut child: Child, limit: Duration) -> Result<ExitStatus, String> {
+    let pid = child.id();
+    match within(pid, limit, move || child.wait()) {
+        Ok(status) => status.map_err(|e| format!("waiting for it failed: {e}")),
+        Err((report, _)) => Err(format!(
+            "it did not end within {limit:?}; its processes were:\n{report}"
+        )),
+    }
+}
+
+/// Runs `wait` (which returns once process `pid` has ended) on a thread of its own for at
+/// most `limit`. If it has not returned by then: where the process tree's threads wait,
+/// and `wait`'s result once the tree is killed (if it comes within [`crate::TIMEOUT`]).
+fn within<T: Send + 'static>(
+    pid: u32,
+    limit: Duration,
+    wait: impl FnOnce() -> T + Send + 'static,
+) -> Result<T, (String, Option<T>)> {
     let (done, ended) = std::sync::mpsc::channel();
     std::thread::spawn(move || {
-        let _ = done.send(child.wait_with_output());
+        let _ = done.send(wait());
     });
-    if let Ok(output) = ended.recv_timeout(limit) {
-        return output.unwrap_or_else(|e| panic!("{what}: waiting for it failed: {e}"));
+    if let Ok(result) = ended.recv_timeout(limit) {
+        return Ok(result);
     }
     let tree = tree_of(pid);
     let report: String = tree.iter().map(|&p| describe(p)).collect();
@@ -27,15 +63,7 @@ pub fn output_within(child: Child, limit: Duration, what: &str) -> Output {
             nix::sys::signal::Signal::SIGKILL,
         );
     }
-    let printed = match ended.recv_timeout(crate::TIMEOUT) {
-        Ok(Ok(out)) => format!(
-            "stdout:\n{}\nstderr:\n{}",
-            String::from_utf8_lossy(&out.stdout),
-            String::from_utf8_lossy(&out.stderr)
-        ),
-        _ => "(its output could not be read after it was killed)".to_owned(),
-    };
-    panic!("{what} did not end within {limit:?}; its processes were:\n{report}\n{printed}");
+    Err((report, ended.recv_timeout(crate::TIMEOUT).ok()))
 }
 
 /// `pid` and its descendants, parents before children (`/proc/PID/task/TID/children`).

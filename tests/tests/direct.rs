@@ -4,7 +4,7 @@
 
 use rdmad_tests::bus::PrivateBus;
 use rdmad_tests::client::Client;
-use rdmad_tests::daemon::{object_counts, rdmactl_ok, Daemon, DaemonOptions};
+use rdmad_tests::daemon::{object_counts, rdmactl_ok, start_loopback, Daemon};
 use rdmad_tests::NOBODY;
 use serde_json::Value;
 
@@ -16,16 +16,7 @@ const CONFIG: &str = "[[pool]]\nname = \"cold\"\ncapacity = \"64MiB\"\n\
                       [quota.default]\nregions = 2\nsessions = 2\n";
 
 async fn daemon() -> (PrivateBus, Daemon) {
-    let bus = PrivateBus::start();
-    let daemon = Daemon::start(
-        &bus,
-        DaemonOptions {
-            config: CONFIG.to_owned(),
-            ..DaemonOptions::default()
-        },
-    )
-    .await;
-    (bus, daemon)
+    start_loopback(CONFIG).await
 }
 
 /// SIGTERM, then: a zero exit, and nothing the daemon served kept its engine.

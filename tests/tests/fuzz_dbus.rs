@@ -16,9 +16,8 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use rdmad_client::proxy::ManagerProxy;
-use rdmad_tests::bus::PrivateBus;
 use rdmad_tests::client::Client;
-use rdmad_tests::daemon::{as_user, object_counts, wait_for_sessions, Daemon, DaemonOptions};
+use rdmad_tests::daemon::{as_user, object_counts, start_loopback, wait_for_sessions};
 use rdmad_tests::{binary, NOBODY, TIMEOUT};
 use serde_json::Value;
 
@@ -57,21 +56,6 @@ const WITNESS_ROUNDS_PER_PROCESS: u64 = 200;
 /// keeping freed memory (megabyte messages, a thread pool), levelling off, not growing
 /// with the calls. Every object the fuzzers make is checked by count as well.
 const RSS_GROWTH_BOUND_KIB: u64 = 64 * 1024;
-
-/// rdmad on a private bus with [`CONFIG`]. It logs at warn level, so it is ready once its
-/// name is on the bus (`start_on` also waits for an info line).
-async fn start_fuzzed() -> (PrivateBus, Daemon) {
-    let bus = PrivateBus::start();
-    let daemon = Daemon::start(
-        &bus,
-        DaemonOptions {
-            config: CONFIG.to_owned(),
-            ..DaemonOptions::default()
-        },
-    )
-    .await;
-    (bus, daemon)
-}
 
 /// Small pools and quotas, so the fuzzers run into every limit; the witness has its own
 /// pool. No warm regions: the provider's object counts are exact at every moment.
@@ -214,7 +198,7 @@ async fn fuzzed_calls_never_break_the_daemon() {
         FUZZERS.len()
     );
 
-    let (bus, mut daemon) = start_fuzzed().await;
+    let (bus, mut daemon) = start_loopback(CONFIG).await;
     let bus = Arc::new(bus);
     let pid = daemon.child.id().expect("rdmad is running");
     let connection = bus.connect().await;
@@ -461,7 +445,7 @@ fn assert_every_method_called(totals: &Totals) {
 async fn objects_made_while_their_session_closes_are_not_left_served() {
     use futures_util::future::{join3, join_all};
     use rdmad_client::proxy::SessionProxy;
-    let (bus, _daemon) = start_fuzzed().await;
+    let (bus, _daemon) = start_loopback(CONFIG).await;
     let connection = bus.connect().await;
     let manager = ManagerProxy::new(&connection).await.expect("manager proxy");
     let baseline = object_counts(&bus).await;

@@ -196,16 +196,26 @@ fn answer(request: Request, programs: &Programs, id: u64) -> Reply {
                 Err(e) => Reply::Failed(format!("cannot start {argv:?}: {e}")),
             }
         }
-        Request::Wait { id } => {
-            let Some(mut running) = programs.lock().unwrap().remove(&id) else {
+        Request::Wait { id, timeout_ms } => {
+            let Some(running) = programs.lock().unwrap().remove(&id) else {
                 return Reply::Failed(format!("no program {id}"));
             };
-            let status = match running.child.wait() {
+            let limit = Duration::from_millis(timeout_ms);
+            let status = match rdmad_tests::process::wait_within(running.child, limit) {
                 Ok(s) => {
                     use std::os::unix::process::ExitStatusExt;
                     s.code().unwrap_or_else(|| 128 + s.signal().unwrap_or(0))
                 }
-                Err(e) => return Reply::Failed(format!("wait for program {id}: {e}")),
+                Err(e) => {
+                    let (stdout, stderr) = (
+                        running.stdout.join().unwrap_or_default(),
+                        running.stderr.join().unwrap_or_default(),
+                    );
+                    eprintln!("rdmad-vm-peer: [{id}] killed: {e}");
+                    return Reply::Failed(format!(
+                        "program {id}: {e}\nstdout:\n{stdout}\nstderr:\n{stderr}"
+                    ));
+                }
             };
             eprintln!("rdmad-vm-peer: [{id}] ended with status {status}");
             Reply::Output {
