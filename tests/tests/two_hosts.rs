@@ -75,12 +75,12 @@ fn assert_ran(out: &Output, what: &str) {
 }
 
 /// The output of a program this host runs through its rdmad (`rdmactl exec`): one that
-/// has not ended within twice [`rdmad_tests::TIMEOUT`] (these take seconds) fails the test
-/// showing where it waits.
+/// has not ended within [`rdmad_tests::peer::PROGRAM_LIMIT`] (as a program on the peer) fails the test showing
+/// where it waits.
 fn here_within(program: std::process::Child, name: &str) -> std::process::Output {
     rdmad_tests::process::output_within(
         program,
-        2 * rdmad_tests::TIMEOUT,
+        rdmad_tests::peer::PROGRAM_LIMIT,
         &format!("{name} through this host's rdmad"),
     )
 }
