@@ -31,7 +31,7 @@ use futures_util::{FutureExt, StreamExt};
 use rdmad_client::proxy::ManagerProxy;
 use rdmad_client::{Error, BUS_NAME};
 use rdmad_tests::bus::PrivateBus;
-use rdmad_tests::daemon::{Daemon, DaemonOptions};
+use rdmad_tests::daemon::start_loopback;
 use rdmad_tests::{binary, NOBODY, TIMEOUT};
 
 /// What is at the configuration path.
@@ -514,15 +514,7 @@ async fn devices_the_host_does_not_have_stop_the_start_with_file_line_and_key() 
 /// configuration in force stays. Then a valid file reloads as usual.
 #[tokio::test(flavor = "multi_thread")]
 async fn every_invalid_config_is_refused_on_reload_and_the_old_one_stays() {
-    let bus = PrivateBus::start();
-    let daemon = Daemon::start(
-        &bus,
-        DaemonOptions {
-            config: GOOD.to_owned(),
-            ..DaemonOptions::default()
-        },
-    )
-    .await;
+    let (bus, daemon) = start_loopback(GOOD).await;
     let connection = bus.connect().await;
     let manager = ManagerProxy::new(&connection).await.unwrap();
     let limit = |quota: &[rdmad_client::types::QuotaEntry], name: &str| {
