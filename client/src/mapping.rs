@@ -272,17 +272,37 @@ unsafe fn copy_between_shared(src: *const u8, dst: *mut u8, len: usize) {
         return;
     }
     #[cfg(target_arch = "x86_64")]
-    // SAFETY: reads `len` bytes at `src` and writes `len` bytes at `dst`, both inside live
-    // mappings (the caller's promise); the direction flag is clear on entry (the ABI), and
-    // `rep movsb` touches no stack and no flags.
-    unsafe {
-        std::arch::asm!(
-            "rep movsb",
-            inout("rcx") len => _,
-            inout("rsi") src => _,
-            inout("rdi") dst => _,
-            options(nostack, preserves_flags)
-        );
+    {
+        let skew = (dst as usize).wrapping_sub(src as usize) % PAGE;
+        if skew == 0 || skew >= ALIASED {
+            // SAFETY: the caller's promise.
+            unsafe { string_copy(src, dst, len) };
+            return;
+        }
+        // The destination is just past the source modulo a page: `rep movsb` takes that
+        // for an overlap on some CPUs and crawls (measured on an AMD EPYC: a 64 KiB copy at
+        // 2-3 GB/s with the destination 1-31 bytes ahead, 45 GB/s otherwise). The bytes go
+        // through a buffer on the stack placed half a page from both, in two string copies.
+        let mut buf = std::mem::MaybeUninit::<[u8; 2 * PAGE]>::uninit();
+        let base = buf.as_mut_ptr().cast::<u8>();
+        let at = (src as usize)
+            .wrapping_add(PAGE / 2)
+            .wrapping_sub(base as usize)
+            % PAGE;
+        // SAFETY: `at < PAGE`, so `at + PAGE` bytes fit in the buffer.
+        let bounce = unsafe { base.add(at) };
+        let mut done = 0;
+        while done < len {
+            let n = (len - done).min(PAGE);
+            // SAFETY: the caller's promise for `src` and `dst`; `bounce..bounce + n` lies
+            // in the buffer, which overlaps neither mapping, and is written before it is
+            // read.
+            unsafe {
+                string_copy(src.add(done), bounce, n);
+                string_copy(bounce, dst.add(done), n);
+            }
+            done += n;
+        }
     }
     #[cfg(not(target_arch = "x86_64"))]
     {
@@ -297,6 +317,35 @@ unsafe fn copy_between_shared(src: *const u8, dst: *mut u8, len: usize) {
             }
             done += n;
         }
+    }
+}
+
+/// The page size the CPU's aliasing of addresses goes by.
+const PAGE: usize = 4096;
+
+/// How far past the source (modulo [`PAGE`]) a destination is still taken for an overlap by
+/// `rep movsb` on some CPUs (31 bytes measured; a cache line to be safe).
+#[cfg(target_arch = "x86_64")]
+const ALIASED: usize = 64;
+
+/// `rep movsb`: `len` bytes from `src` to `dst`.
+///
+/// # Safety
+/// `src..src + len` must be readable and `dst..dst + len` writable for the whole call, and
+/// the two must not overlap.
+#[cfg(target_arch = "x86_64")]
+unsafe fn string_copy(src: *const u8, dst: *mut u8, len: usize) {
+    // SAFETY: reads `len` bytes at `src` and writes `len` bytes at `dst` (the caller's
+    // promise); the direction flag is clear on entry (the ABI), and `rep movsb` touches no
+    // stack and no flags.
+    unsafe {
+        std::arch::asm!(
+            "rep movsb",
+            inout("rcx") len => _,
+            inout("rsi") src => _,
+            inout("rdi") dst => _,
+            options(nostack, preserves_flags)
+        );
     }
 }
 
@@ -366,7 +415,8 @@ mod tests {
         }
     }
 
-    /// A copy between mappings moves exactly the bytes asked, at any alignment and length;
+    /// A copy between mappings moves exactly the bytes asked, at any alignment, length and
+    /// distance between source and destination;
     /// overlapping ranges of one mapping land as if copied through a buffer; a read-only
     /// target or a range outside either mapping is refused and nothing moves.
     #[test]
@@ -380,6 +430,13 @@ mod tests {
             (3, 1000, SMALL_COPY),
             (3, 1000, SMALL_COPY + 1),
             (4093, 3, 4099),
+            // The destination just past the source modulo a page: through the bounce
+            // buffer, a page at a time, the last one partial.
+            (0, 16, 8000),
+            (100, 163, 5000),
+            (7, 8, SMALL_COPY + 1),
+            (0, 1, PAGE),
+            (100, 164, 5000),
             (9, 8191, 1),
             (5, 5, 0),
         ] {
