@@ -306,7 +306,7 @@ unsafe fn copy_between_shared(src: *const u8, dst: *mut u8, len: usize) {
     }
     #[cfg(not(target_arch = "x86_64"))]
     {
-        let mut buf = [0u8; 4096];
+        let mut buf = [0u8; PAGE];
         let mut done = 0;
         while done < len {
             let n = (len - done).min(buf.len());
