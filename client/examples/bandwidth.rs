@@ -54,7 +54,8 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     if u64::from(size) > REGION || size == 0 {
         return Err(format!("SIZE must be 1 to {REGION}").into());
     }
-    if offset + u64::from(size) > REGION {
+    // SIZE is at most REGION here, so this cannot overflow whatever OFFSET is.
+    if offset > REGION - u64::from(size) {
         return Err(format!("OFFSET + SIZE must be at most {REGION}").into());
     }
 
