@@ -8,8 +8,10 @@
 //! device nor a peer.
 
 use std::collections::HashMap;
+use std::os::unix::process::ExitStatusExt;
 
 use rdmad_tests::across::{assert_back, assert_both_back, connected_across, peer};
+use rdmad_tests::bus::PrivateBus;
 use rdmad_tests::client::{assert_completion, Client};
 use rdmad_tests::daemon::{
     device_and_gid, object_counts, spawn_rdmactl, start_on, wait_for_sessions,
@@ -83,6 +85,25 @@ fn here_within(program: std::process::Child, name: &str) -> std::process::Output
         program,
         rdmad_tests::peer::PROGRAM_LIMIT,
         &format!("{name} through this host's rdmad"),
+    )
+}
+
+/// The output of the server this host runs through its rdmad once the peer's client has
+/// ended. A client that failed may leave the server waiting for it forever, so then the
+/// server gets [`rdmad_tests::TIMEOUT`] to end and, if it does not, the failure shows what
+/// the client printed before where the server waits.
+fn here_serving(server: std::process::Child, name: &str, client: &Output) -> std::process::Output {
+    if client.success() {
+        return here_within(server, name);
+    }
+    rdmad_tests::process::output_within(
+        server,
+        rdmad_tests::TIMEOUT,
+        &format!(
+            "{name} through this host's rdmad, serving the peer's client, which failed \
+             (status {}):\nits stdout:\n{}\nits stderr:\n{}\n-- and this host's server",
+            client.status, client.stdout, client.stderr
+        ),
     )
 }
 
@@ -237,7 +258,7 @@ async fn programs_across_the_wire(peer_rdmad: Option<&PeerRdmad>) {
                 rdmad_tests::wait_for_listener(port).await;
                 remote.push(&peer.own_address);
                 let client = peer.run(peer_uid, &remote, &peer_env);
-                (here_within(server, program), client)
+                (here_serving(server, program, &client), client)
             } else {
                 let server = peer.spawn(peer_uid, &remote, &peer_env);
                 peer.wait_for_listener(port);
@@ -1020,6 +1041,7 @@ async fn rxe_perftest_over_rdma_cm_through_rdmad() {
                 text.lines()
                     .any(|l| l.trim_start().starts_with("4096 ") && l.contains("200"))
             },
+            retry_crashed_client: true,
         },
         18560,
     )
@@ -1040,6 +1062,7 @@ async fn rxe_rping_through_rdmad() {
             server: &["-s"],
             client: &["-c", "-a"],
             printed: |text| text.matches("ping data: rdma-ping-").count() >= 10,
+            retry_crashed_client: false,
         },
         18570,
     )
@@ -1055,7 +1078,25 @@ struct CmProgram {
     client: &'static [&'static str],
     /// Whether a side's standard output shows it did its work.
     printed: fn(&str) -> bool,
+    /// Whether a round whose client died of SIGSEGV is run again ([`CRASHED_CLIENT_RUNS`]).
+    retry_crashed_client: bool,
 }
+
+/// How many times a round of a [`CmProgram`] with `retry_crashed_client` runs at most.
+///
+/// Debian 12's perftest (4.5-0.17) races itself over rdma_cm (`-R`): after the exchange on
+/// its control connection the client asks at once to connect its test queue pairs, while
+/// the server only then listens for them. A request that comes first is rejected; the
+/// client's retry then uses the CM identifiers it has just destroyed and dies of SIGSEGV,
+/// and the server waits for it forever (perftest 3d9d8d0, "Fix crashes and logical flaws
+/// in RDMA CM connection retry", fixes it). The server's last control message completes
+/// later through rdmad than natively, so under emulation the client wins now and then:
+/// such a run is stopped and the round runs again, on a port of its own. Any other failure
+/// fails the test at once, and so does a crash in the last run.
+const CRASHED_CLIENT_RUNS: u16 = 3;
+
+/// SIGSEGV, as the peer's agent reports a program it killed: 128 + the signal.
+const DIED_OF_SIGSEGV: i32 = 128 + nix::libc::SIGSEGV;
 
 /// Runs `program` as `nobody` through this host's rdmad against the peer's native
 /// program, the peer serving and then this host; then against the peer's through its own
@@ -1067,54 +1108,41 @@ async fn rdma_cm_program_rounds(program: &CmProgram, first_port: u16) {
     let before = object_counts(&bus).await;
     let peer_rdmad = peer.start_rdmad("");
     let peer_before = peer_rdmad.settled(0);
-    let rdmactl_path = rdmad_tests::binary("rdmactl");
-    let rdmactl_path = rdmactl_path.to_str().unwrap();
     let name = program.args[0];
     let rounds = [
         ("the native peer serves", false, false),
         ("this host serves the native peer", true, false),
         ("the peer serves through its rdmad", false, true),
     ];
-    for (i, (round, this_host_serves, through_peer_rdmad)) in rounds.into_iter().enumerate() {
-        let port = first_port + i as u16;
-        let port_text = port.to_string();
-        let (here_role, there_role) = if this_host_serves {
-            (program.server, program.client)
-        } else {
-            (program.client, program.server)
-        };
-        let mut local: Vec<&str> =
-            [&["exec", "--"][..], program.args, &["-p", &port_text]].concat();
-        local.extend(here_role);
-        let mut remote: Vec<&str> = if through_peer_rdmad {
-            vec![rdmactl_path, "exec", "--"]
-        } else {
-            vec![]
-        };
-        remote.extend(program.args);
-        remote.extend(["-p", &port_text]);
-        remote.extend(there_role);
-        let peer_env: Vec<(&str, &str)> = if through_peer_rdmad {
-            vec![("RDMAD_BUS_ADDRESS", peer_rdmad.bus.as_str())]
-        } else {
-            vec![]
-        };
-        let peer_uid = through_peer_rdmad.then_some(NOBODY);
-        let created = daemon.stderr().matches("queue pair created").count();
-        let (local_out, remote_out) = if this_host_serves {
-            let server = spawn_rdmactl(&bus, Some(NOBODY), &local);
-            wait_for_cm_listener(None, port);
-            remote.push(&peer.own_address);
-            let client = peer.run(peer_uid, &remote, &peer_env);
-            (here_within(server, name), client)
-        } else {
-            let server = peer.spawn(peer_uid, &remote, &peer_env);
-            wait_for_cm_listener(Some(&peer), port);
-            local.push(&peer.address);
-            let client = spawn_rdmactl(&bus, Some(NOBODY), &local);
-            (here_within(client, name), server.wait())
-        };
+    for (i, &(round, this_host_serves, through_peer_rdmad)) in rounds.iter().enumerate() {
         let round = format!("{name}, {round}");
+        let created = daemon.stderr().matches("queue pair created").count();
+        let mut run = 0;
+        let (local_out, remote_out) = loop {
+            run += 1;
+            let port = first_port + i as u16 + (run - 1) * rounds.len() as u16;
+            match cm_program_run(
+                program,
+                &peer,
+                &bus,
+                port,
+                this_host_serves,
+                through_peer_rdmad.then_some(&peer_rdmad),
+            ) {
+                CmRun::Ended(local, remote) => break (local, remote),
+                CmRun::ClientCrashed(side) => {
+                    assert!(
+                        run < CRASHED_CLIENT_RUNS,
+                        "{round}: the client on {side} died of SIGSEGV in each of {run} runs"
+                    );
+                    eprintln!(
+                        "{round}: the client on {side} died of SIGSEGV (perftest's own rdma_cm \
+                         retry, see CRASHED_CLIENT_RUNS); its server is stopped and the round \
+                         runs again"
+                    );
+                }
+            }
+        };
         assert_ran(&remote_out, &round);
         let printed = assert_local(&local_out, &round);
         for (text, side) in [(&printed, "this host"), (&remote_out.stdout, "the peer")] {
@@ -1137,5 +1165,72 @@ async fn rdma_cm_program_rounds(program: &CmProgram, first_port: u16) {
             peer_after[kind], peer_before[kind],
             "the peer's {kind}: {peer_before:?} -> {peer_after:?}"
         );
+    }
+}
+
+/// How one run of a round of a [`CmProgram`] ended.
+enum CmRun {
+    /// Both sides ended: this host's output and the peer's.
+    Ended(std::process::Output, Output),
+    /// The client on this side died of SIGSEGV (the program retries such runs); its
+    /// server was stopped.
+    ClientCrashed(&'static str),
+}
+
+/// One run of `program` on `port`: this host's side through its rdmad (as `nobody`), the
+/// peer's native or, with `peer_rdmad`, through that.
+fn cm_program_run(
+    program: &CmProgram,
+    peer: &Peer,
+    bus: &PrivateBus,
+    port: u16,
+    this_host_serves: bool,
+    peer_rdmad: Option<&PeerRdmad>,
+) -> CmRun {
+    let rdmactl_path = rdmad_tests::binary("rdmactl");
+    let rdmactl_path = rdmactl_path.to_str().unwrap();
+    let name = program.args[0];
+    let port_text = port.to_string();
+    let (here_role, there_role) = if this_host_serves {
+        (program.server, program.client)
+    } else {
+        (program.client, program.server)
+    };
+    let mut local: Vec<&str> = [&["exec", "--"][..], program.args, &["-p", &port_text]].concat();
+    local.extend(here_role);
+    let mut remote: Vec<&str> = match peer_rdmad {
+        Some(_) => vec![rdmactl_path, "exec", "--"],
+        None => vec![],
+    };
+    remote.extend(program.args);
+    remote.extend(["-p", &port_text]);
+    remote.extend(there_role);
+    let peer_env: Vec<(&str, &str)> = match peer_rdmad {
+        Some(r) => vec![("RDMAD_BUS_ADDRESS", r.bus.as_str())],
+        None => vec![],
+    };
+    let peer_uid = peer_rdmad.map(|_| NOBODY);
+    if this_host_serves {
+        let mut server = spawn_rdmactl(bus, Some(NOBODY), &local);
+        wait_for_cm_listener(None, port);
+        remote.push(&peer.own_address);
+        let client = peer.run(peer_uid, &remote, &peer_env);
+        if program.retry_crashed_client && client.status == DIED_OF_SIGSEGV {
+            let _ = server.kill();
+            let _ = server.wait();
+            return CmRun::ClientCrashed("the peer");
+        }
+        CmRun::Ended(here_serving(server, name, &client), client)
+    } else {
+        let server = peer.spawn(peer_uid, &remote, &peer_env);
+        wait_for_cm_listener(Some(peer), port);
+        local.push(&peer.address);
+        let client = here_within(spawn_rdmactl(bus, Some(NOBODY), &local), name);
+        if program.retry_crashed_client && client.status.signal() == Some(nix::libc::SIGSEGV) {
+            server.signal(nix::libc::SIGKILL);
+            let _ = server.wait();
+            return CmRun::ClientCrashed("this host");
+        }
+        CmRun::Ended(client, server.wait())
     }
 }
