@@ -633,9 +633,14 @@ impl Exec<'_> {
             Ok(found) => found,
             Err(step) => return step,
         };
+        let n = (total - progress.done).min(*budget);
+        // The first chunk checks the whole gather list and the whole receive: when that
+        // chunk is the whole message, the pieces checked are the ones it moves.
+        let (mut source, mut target) = (None, None);
         if !progress.started {
-            if let Err(status) = check_gather(self.device, qp.pd.id, &wr.sges) {
-                return Step::Failed(status);
+            match locate(self.device, qp.pd.id, &wr.sges, 0, total, Access::NONE) {
+                Ok(pieces) => source = (n == total).then_some(pieces),
+                Err(_) => return Step::Failed(WcStatus::LocalProtectionError),
             }
             let recv = match self.take_recv(&peer) {
                 Ok(recv) => recv,
@@ -649,7 +654,7 @@ impl Exec<'_> {
                 total,
                 Access::LOCAL_WRITE,
             ) {
-                Ok(_) => {}
+                Ok(pieces) => target = (n == total).then_some(pieces),
                 Err(Unlocated::Length) => {
                     // The receiver sees a local length error; the sender an invalid request.
                     self.responder_error(
@@ -671,31 +676,34 @@ impl Exec<'_> {
             progress.started = true;
             progress.recv = Some(recv);
         }
-        let Some(recv) = progress.recv.clone() else {
+        // Held here while the chunk moves, and back in `progress` whenever the request
+        // goes on holding it.
+        let Some(recv) = progress.recv.take() else {
             return Step::Failed(WcStatus::LocalProtectionError);
         };
-        let n = (total - progress.done).min(*budget);
         if n > 0 {
             let done = progress.done;
-            let moved = self.gather_into(qp, wr, done, n, || {
-                locate(
-                    self.device,
-                    peer.pd.id,
-                    &recv.sges,
-                    done,
-                    n,
-                    Access::LOCAL_WRITE,
-                )
-                .ok()
+            let moved = self.gather_into(qp, wr, (done, n), source, || {
+                target.or_else(|| {
+                    locate(
+                        self.device,
+                        peer.pd.id,
+                        &recv.sges,
+                        done,
+                        n,
+                        Access::LOCAL_WRITE,
+                    )
+                    .ok()
+                })
             });
             if let Err(Some(status)) = moved {
                 // The message never arrives: its receive stays the responder's.
+                progress.recv = Some(recv);
                 self.give_back(qp, progress);
                 progress.recv = None;
                 return Step::Failed(status);
             }
             if moved.is_err() {
-                progress.recv = None;
                 self.responder_error(
                     &peer,
                     Some((&recv, WcOpcode::Recv)),
@@ -707,6 +715,7 @@ impl Exec<'_> {
             *budget -= n;
         }
         if progress.done < total {
+            progress.recv = Some(recv);
             return Step::Partial;
         }
         let byte_len = total as u32;
@@ -723,20 +732,24 @@ impl Exec<'_> {
         Step::Done(byte_len)
     }
 
-    /// Moves `[done, done + n)` of the message `wr` gathers into the pieces `target`
-    /// locates (called once the source is found): `Err(Some(status))` when the gather list
+    /// Moves `[done, done + n)` of the message `wr` gathers (`source`, if the caller has
+    /// located it already) into the pieces `target` locates (called once the source is
+    /// found): `Err(Some(status))` when the gather list
     /// cannot supply the bytes (the requester's own error), `Err(None)` when the target
     /// cannot take them (each caller knows what the responder then sees).
     fn gather_into(
         &self,
         qp: &QpInner,
         wr: &SendWr,
-        done: u64,
-        n: u64,
+        (done, n): (u64, u64),
+        source: Option<Pieces>,
         target: impl FnOnce() -> Option<Pieces>,
     ) -> std::result::Result<(), Option<WcStatus>> {
-        let source = locate(self.device, qp.pd.id, &wr.sges, done, n, Access::NONE)
-            .map_err(Unlocated::gather_status)?;
+        let source = match source {
+            Some(located) => located,
+            None => locate(self.device, qp.pd.id, &wr.sges, done, n, Access::NONE)
+                .map_err(Unlocated::gather_status)?,
+        };
         let target = target().ok_or(None)?;
         transfer(&source, &target).map_err(|side| side.status(WcStatus::LocalProtectionError))
     }
@@ -760,9 +773,14 @@ impl Exec<'_> {
             Ok(found) => found,
             Err(step) => return step,
         };
+        let n = (total - progress.done).min(*budget);
+        let mut source = None;
         if !progress.started {
-            if let Err(status) = check_gather(self.device, qp.pd.id, &wr.sges) {
-                return Step::Failed(status);
+            // The whole gather list is checked with the first chunk: when that chunk is the
+            // whole message, the pieces checked are the ones it moves.
+            match locate(self.device, qp.pd.id, &wr.sges, 0, total, Access::NONE) {
+                Ok(pieces) => source = (n == total).then_some(pieces),
+                Err(_) => return Step::Failed(WcStatus::LocalProtectionError),
             }
             if !allowed.contains(Access::REMOTE_WRITE) {
                 self.responder_error(&peer, None, WcStatus::RemoteInvalidRequestError);
@@ -776,9 +794,8 @@ impl Exec<'_> {
             }
             progress.started = true;
         }
-        let n = (total - progress.done).min(*budget);
         if n > 0 {
-            let moved = self.gather_into(qp, wr, progress.done, n, || {
+            let moved = self.gather_into(qp, wr, (progress.done, n), source, || {
                 let at = remote.addr.wrapping_add(progress.done);
                 resolve_remote(self.device, &peer, remote.rkey, at, n, Access::REMOTE_WRITE)
                     .map(|piece| smallvec::smallvec![piece])
@@ -1052,7 +1069,7 @@ fn resolve_remote(
     let pd = responder.pd.id;
     if let Some(reg) = device.registration(rkey) {
         let ok = reg.pd == pd && reg.access.contains(needed) && reg.contains(addr, len);
-        return ok.then(|| reg.piece(addr, len));
+        return ok.then(|| reg.into_piece(addr, len));
     }
     let entry = lock(&device.windows).get(&(rkey >> 8)).cloned()?;
     let binding = entry.binding?;
@@ -1065,15 +1082,7 @@ fn resolve_remote(
         return None;
     }
     let reg = device.registration(binding.mr_key)?;
-    reg.contains(addr, len).then(|| reg.piece(addr, len))
-}
-
-/// A local SGE's registration, if `lkey` is registered in `pd`, covers the range and grants
-/// `needed`.
-fn local(device: &Shared, pd: u64, sge: &Sge, len: u64, needed: Access) -> Option<Registration> {
-    device
-        .registration(sge.lkey)
-        .filter(|reg| reg.pd == pd && reg.access.contains(needed) && reg.contains(sge.addr, len))
+    reg.contains(addr, len).then(|| reg.into_piece(addr, len))
 }
 
 /// Where an RDMA operation points in the responder's memory.
@@ -1087,16 +1096,6 @@ impl Remote {
     fn new(addr: u64, rkey: u32) -> Remote {
         Remote { addr, rkey }
     }
-}
-
-/// Checks that every SGE of a gather list lies inside a registration of `pd` (reading
-/// local memory needs no access right).
-fn check_gather(device: &Shared, pd: u64, sges: &[Sge]) -> std::result::Result<(), WcStatus> {
-    for sge in sges.iter().filter(|s| s.length > 0) {
-        local(device, pd, sge, u64::from(sge.length), Access::NONE)
-            .ok_or(WcStatus::LocalProtectionError)?;
-    }
-    Ok(())
 }
 
 /// The pieces of `[offset, offset + len)` of the message a list of SGEs describes: each
@@ -1133,10 +1132,10 @@ type Pieces = SmallVec<[Piece; 4]>;
 
 impl Registration {
     /// `[addr, addr + len)`, inside this registration, as a piece of its memory.
-    fn piece(&self, addr: u64, len: u64) -> Piece {
+    fn into_piece(self, addr: u64, len: u64) -> Piece {
         Piece {
-            memory: Arc::clone(&self.memory),
             at: self.memory_offset(addr),
+            memory: self.memory,
             len: len as usize,
         }
     }
@@ -1179,7 +1178,7 @@ fn locate(
             .registration(lkey)
             .filter(|reg| reg.pd == pd && reg.access.contains(needed) && reg.contains(addr, n))
             .ok_or(Unlocated::Protection)?;
-        found.push(reg.piece(addr, n));
+        found.push(reg.into_piece(addr, n));
         total += n;
     }
     if total != len {
