@@ -734,9 +734,9 @@ impl Exec<'_> {
 
     /// Moves `[done, done + n)` of the message `wr` gathers (`source`, if the caller has
     /// located it already) into the pieces `target` locates (called once the source is
-    /// found): `Err(Some(status))` when the gather list
-    /// cannot supply the bytes (the requester's own error), `Err(None)` when the target
-    /// cannot take them (each caller knows what the responder then sees).
+    /// found): `Err(Some(status))` when the gather list cannot supply the bytes (the
+    /// requester's own error), `Err(None)` when the target cannot take them (each caller
+    /// knows what the responder then sees).
     fn gather_into(
         &self,
         qp: &QpInner,
