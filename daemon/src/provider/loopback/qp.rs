@@ -638,10 +638,10 @@ impl Exec<'_> {
         // chunk is the whole message, the pieces checked are the ones it moves.
         let (mut source, mut target) = (None, None);
         if !progress.started {
-            match locate(self.device, qp.pd.id, &wr.sges, 0, total, Access::NONE) {
-                Ok(pieces) => source = (n == total).then_some(pieces),
-                Err(_) => return Step::Failed(WcStatus::LocalProtectionError),
-            }
+            source = match check_gather(self.device, qp.pd.id, wr, total, n) {
+                Ok(located) => located,
+                Err(status) => return Step::Failed(status),
+            };
             let recv = match self.take_recv(&peer) {
                 Ok(recv) => recv,
                 Err(step) => return step,
@@ -776,12 +776,10 @@ impl Exec<'_> {
         let n = (total - progress.done).min(*budget);
         let mut source = None;
         if !progress.started {
-            // The whole gather list is checked with the first chunk: when that chunk is the
-            // whole message, the pieces checked are the ones it moves.
-            match locate(self.device, qp.pd.id, &wr.sges, 0, total, Access::NONE) {
-                Ok(pieces) => source = (n == total).then_some(pieces),
-                Err(_) => return Step::Failed(WcStatus::LocalProtectionError),
-            }
+            source = match check_gather(self.device, qp.pd.id, wr, total, n) {
+                Ok(located) => located,
+                Err(status) => return Step::Failed(status),
+            };
             if !allowed.contains(Access::REMOTE_WRITE) {
                 self.responder_error(&peer, None, WcStatus::RemoteInvalidRequestError);
                 return Step::Failed(WcStatus::RemoteInvalidRequestError);
@@ -1095,6 +1093,23 @@ struct Remote {
 impl Remote {
     fn new(addr: u64, rkey: u32) -> Remote {
         Remote { addr, rkey }
+    }
+}
+
+/// Checks, with a request's first chunk (`chunk` of its `total` bytes), that every SGE of
+/// its gather list lies inside a registration of `pd` (reading local memory needs no
+/// access right). When that chunk is the whole message, the pieces checked are the ones
+/// it moves: they are returned.
+fn check_gather(
+    device: &Shared,
+    pd: u64,
+    wr: &SendWr,
+    total: u64,
+    chunk: u64,
+) -> std::result::Result<Option<Pieces>, WcStatus> {
+    match locate(device, pd, &wr.sges, 0, total, Access::NONE) {
+        Ok(pieces) => Ok((chunk == total).then_some(pieces)),
+        Err(_) => Err(WcStatus::LocalProtectionError),
     }
 }
 
