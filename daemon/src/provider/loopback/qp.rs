@@ -124,6 +124,7 @@ pub(super) fn create(pd: &Arc<PdInner>, init: QpInit) -> Result<Arc<dyn QueuePai
             retry_cnt: 0,
             rnr_retry: 0,
             sq: VecDeque::new(),
+            head_out: false,
             rq: VecDeque::new(),
         }),
     });
@@ -187,6 +188,8 @@ struct QpData {
     retry_cnt: u8,
     rnr_retry: u8,
     sq: VecDeque<Pending>,
+    /// The head of `sq` is out of it, running: it still holds its place in the queue.
+    head_out: bool,
     rq: VecDeque<RecvWr>,
 }
 
@@ -313,120 +316,139 @@ impl Exec<'_> {
     /// Runs one turn of `qp`'s send queue: as far as it goes within [`TURN_BYTES`] (or
     /// flushes it if the QP is in error). Work left at the end of the turn waits for the
     /// next poll of the QP's send CQ.
+    ///
+    /// The head leaves the queue while it runs (moved, not copied; `head_out` keeps its
+    /// place for `post_send`), and goes back to the front unless it is done.
     fn run(&mut self, qp: &Arc<QpInner>) {
         let mut budget = TURN_BYTES;
         loop {
-            let (state, head) = {
-                let data = lock(&qp.data);
-                let head = data
-                    .sq
-                    .front()
-                    .map(|p| (p.wr.clone(), p.waiting, p.progress.clone()));
-                (data.state, head)
-            };
-            if state == QpState::Error {
-                self.flush(qp);
-                return;
-            }
-            let Some((wr, waiting, mut progress)) = head else {
-                return;
-            };
-            if state != QpState::Rts {
-                return;
-            }
-            if budget == 0 {
-                qp.send_cq.continue_later(qp.qp_num);
-                return;
-            }
-            let step = self.execute(qp, &wr, &mut progress, &mut budget);
-            budget = budget.saturating_sub(REQUEST_COST.min(budget));
-            let popped = {
+            let mut head = {
                 let mut data = lock(&qp.data);
-                if let Step::Done(_) = step {
-                    data.sq.pop_front()
-                } else {
-                    // The head always says what it holds (a receive it took), whatever
-                    // comes next.
-                    if let Some(head) = data.sq.front_mut() {
-                        head.progress = progress;
-                    }
-                    None
+                // Whatever ran before is done (or back at the front) by now.
+                data.head_out = false;
+                if data.state == QpState::Error {
+                    drop(data);
+                    self.flush(qp);
+                    return;
                 }
-            };
-            drop(popped);
-            match step {
-                Step::Partial => {
+                if data.state != QpState::Rts || data.sq.is_empty() {
+                    return;
+                }
+                if budget == 0 {
+                    drop(data);
                     qp.send_cq.continue_later(qp.qp_num);
                     return;
                 }
+                let Some(head) = data.sq.pop_front() else {
+                    return;
+                };
+                data.head_out = true;
+                head
+            };
+            let step = self.execute(qp, &head.wr, &mut head.progress, &mut budget);
+            budget = budget.saturating_sub(REQUEST_COST.min(budget));
+            match step {
                 Step::Done(byte_len) => {
-                    if wr.signaled {
+                    if head.wr.signaled {
                         let wc = WorkCompletion {
-                            wr_id: wr.wr_id,
+                            wr_id: head.wr.wr_id,
                             status: WcStatus::Success,
-                            opcode: opcode(&wr.op),
+                            opcode: opcode(&head.wr.op),
                             byte_len,
                             imm: None,
                             qp_num: qp.qp_num,
                         };
                         if !qp.send_cq.push(wc) {
+                            lock(&qp.data).head_out = false;
                             self.error(qp);
                             return;
                         }
                     }
                 }
+                Step::Partial => {
+                    // The head goes back holding what it took (a receive), whatever comes
+                    // next.
+                    if self.put_back(qp, head) {
+                        qp.send_cq.continue_later(qp.qp_num);
+                    }
+                    return;
+                }
                 Step::Failed(status) => {
-                    self.fail_head(qp, &wr, status);
+                    self.fail_head(qp, head, status);
                     return;
                 }
                 Step::Blocked(wait, per_try) => {
-                    let (retries, infinite) = {
-                        let data = lock(&qp.data);
-                        match wait {
-                            Wait::Rnr => (u32::from(data.rnr_retry), data.rnr_retry >= 7),
-                            Wait::Transport => (u32::from(data.retry_cnt) + 1, data.timeout == 0),
-                        }
-                    };
-                    if infinite {
-                        return;
-                    }
-                    let now = Instant::now();
-                    match waiting {
-                        Some((w, deadline)) if w == wait => {
-                            if now >= deadline {
-                                let status = match wait {
-                                    Wait::Rnr => WcStatus::RnrRetryExceeded,
-                                    Wait::Transport => WcStatus::RetryExceeded,
-                                };
-                                self.fail_head(qp, &wr, status);
-                            }
-                        }
-                        _ if retries == 0 => self.fail_head(qp, &wr, WcStatus::RnrRetryExceeded),
-                        _ => {
-                            let deadline = now + per_try * retries;
-                            if let Some(head) = lock(&qp.data).sq.front_mut() {
-                                head.waiting = Some((wait, deadline));
-                            }
-                            schedule(self.device, qp.qp_num, deadline);
-                        }
-                    }
+                    self.blocked(qp, head, wait, per_try);
                     return;
                 }
             }
         }
     }
 
-    /// Completes the head request with an error and moves the QP to the error state.
-    fn fail_head(&mut self, qp: &Arc<QpInner>, wr: &SendWr, status: WcStatus) {
-        let popped = lock(&qp.data).sq.pop_front();
-        if let Some(pending) = popped {
-            self.give_back(qp, &pending.progress);
+    /// The head cannot progress until its peer answers (`wait`): it goes back to the front
+    /// and waits `per_try` for each retry the QP allows, then fails.
+    fn blocked(&mut self, qp: &Arc<QpInner>, mut head: Pending, wait: Wait, per_try: Duration) {
+        let (retries, infinite) = {
+            let data = lock(&qp.data);
+            match wait {
+                Wait::Rnr => (u32::from(data.rnr_retry), data.rnr_retry >= 7),
+                Wait::Transport => (u32::from(data.retry_cnt) + 1, data.timeout == 0),
+            }
+        };
+        if infinite {
+            self.put_back(qp, head);
+            return;
         }
+        let now = Instant::now();
+        match head.waiting {
+            Some((w, deadline)) if w == wait => {
+                if now >= deadline {
+                    let status = match wait {
+                        Wait::Rnr => WcStatus::RnrRetryExceeded,
+                        Wait::Transport => WcStatus::RetryExceeded,
+                    };
+                    self.fail_head(qp, head, status);
+                } else {
+                    self.put_back(qp, head);
+                }
+            }
+            _ if retries == 0 => self.fail_head(qp, head, WcStatus::RnrRetryExceeded),
+            _ => {
+                let deadline = now + per_try * retries;
+                head.waiting = Some((wait, deadline));
+                if self.put_back(qp, head) {
+                    schedule(self.device, qp.qp_num, deadline);
+                }
+            }
+        }
+    }
+
+    /// Returns a head that ran but is not done to the front of `qp`'s send queue; if the
+    /// QP went to the error state meanwhile (its own request failing its peer, when the
+    /// two are one QP), flushes it now, the head first. Whether the QP is still usable.
+    fn put_back(&mut self, qp: &Arc<QpInner>, head: Pending) -> bool {
+        let in_error = {
+            let mut data = lock(&qp.data);
+            data.sq.push_front(head);
+            data.head_out = false;
+            data.state == QpState::Error
+        };
+        if in_error {
+            self.flush(qp);
+        }
+        !in_error
+    }
+
+    /// Completes the head request (out of the queue) with an error and moves the QP to the
+    /// error state.
+    fn fail_head(&mut self, qp: &Arc<QpInner>, head: Pending, status: WcStatus) {
+        lock(&qp.data).head_out = false;
+        self.give_back(qp, &head.progress);
         // Error completions are reported whether or not the request was signaled.
         qp.send_cq.push(WorkCompletion {
-            wr_id: wr.wr_id,
+            wr_id: head.wr.wr_id,
             status,
-            opcode: opcode(&wr.op),
+            opcode: opcode(&head.wr.op),
             byte_len: 0,
             imm: None,
             qp_num: qp.qp_num,
@@ -464,9 +486,15 @@ impl Exec<'_> {
     }
 
     /// Completes every outstanding request of `qp` with `WrFlushError`, in order.
+    ///
+    /// While the QP's turn holds its head out of the queue, flushing waits for that turn
+    /// to settle the head (an error completion comes first, in order).
     fn flush(&mut self, qp: &Arc<QpInner>) {
         let (sq, rq) = {
             let mut data = lock(&qp.data);
+            if data.head_out {
+                return;
+            }
             (std::mem::take(&mut data.sq), std::mem::take(&mut data.rq))
         };
         for pending in &sq {
@@ -1456,7 +1484,8 @@ impl QueuePair for LoopbackQp {
                     )));
                     break;
                 }
-                let (queued, asked) = (data.sq.len(), (posted, wrs.len()));
+                let queued = data.sq.len() + usize::from(data.head_out);
+                let asked = (posted, wrs.len());
                 if let Some(error) =
                     self.refuse(&SEND_QUEUE, wr.wr_id, wr.sges.len(), queued, asked)
                 {

@@ -499,6 +499,41 @@ fn errors_flush_later_requests_in_order() {
 }
 
 #[test]
+fn a_qp_connected_to_itself_fails_its_own_request_first_then_flushes() {
+    // The responder error of the first WRITE (a bad rkey) puts the QP in error while its
+    // turn runs that very request: its error completion comes first, once, then the
+    // flushes of the rest and of the receive.
+    let dev = LoopbackDevice::new("lo-self");
+    let opts = Opts::default();
+    let a = End::new(&dev, None, &opts);
+    a.connect(&a.endpoint(), &opts);
+    a.recv(9, vec![a.sge(4096, 8)]).unwrap();
+    let write = |wr_id, rkey| SendWr {
+        wr_id,
+        op: SendOp::Write {
+            remote_addr: a.mr.addr() + 1024,
+            rkey,
+            imm: None,
+        },
+        sges: smallvec::smallvec![a.sge(0, 8)],
+        signaled: true,
+        inline: false,
+    };
+    a.qp.post_send(&[write(1, a.mr.rkey() ^ 0x100), write(2, a.mr.rkey())])
+        .unwrap();
+    let got: Vec<_> = a.polled().iter().map(|w| (w.wr_id, w.status)).collect();
+    assert_eq!(
+        got,
+        [
+            (1, WcStatus::RemoteAccessError),
+            (2, WcStatus::WrFlushError),
+            (9, WcStatus::WrFlushError)
+        ]
+    );
+    assert_eq!(a.qp.state().unwrap(), QpState::Error);
+}
+
+#[test]
 fn queue_depths_are_enforced() {
     let dev = LoopbackDevice::new("lo-depth");
     let opts = Opts {
