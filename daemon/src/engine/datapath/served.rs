@@ -28,6 +28,69 @@ struct InFlight {
     _pins: validate::Pins,
 }
 
+/// The requests the device is working on, under the ids the device knows them by: a slot
+/// of a table that only grows to the most requests ever in flight at once, and the slot's
+/// generation, so an id that is stale (or not ours) finds nothing. Freed slots are reused
+/// last-freed first, while they are still in the cache.
+#[derive(Default)]
+struct InFlightTable {
+    slots: Vec<Slot>,
+    free: Vec<u32>,
+}
+
+#[derive(Default)]
+struct Slot {
+    generation: u32,
+    flight: Option<InFlight>,
+}
+
+impl InFlightTable {
+    /// Generations stay below 2^31: an id never has [`INTERNAL`]'s bit.
+    const GENERATIONS: u32 = 1 << 31;
+
+    /// The id the next [`InFlightTable::insert`] returns.
+    fn next_id(&self) -> u64 {
+        match self.free.last() {
+            Some(&index) => Self::id(self.slots[index as usize].generation, index),
+            None => Self::id(0, self.slots.len() as u32),
+        }
+    }
+
+    fn insert(&mut self, flight: InFlight) -> u64 {
+        match self.free.pop() {
+            Some(index) => {
+                let slot = &mut self.slots[index as usize];
+                slot.flight = Some(flight);
+                Self::id(slot.generation, index)
+            }
+            None => {
+                let index = self.slots.len() as u32;
+                self.slots.push(Slot {
+                    generation: 0,
+                    flight: Some(flight),
+                });
+                Self::id(0, index)
+            }
+        }
+    }
+
+    fn remove(&mut self, id: u64) -> Option<InFlight> {
+        let (generation, index) = ((id >> 32) as u32, id as u32);
+        let slot = self.slots.get_mut(index as usize)?;
+        if slot.generation != generation {
+            return None;
+        }
+        let flight = slot.flight.take()?;
+        slot.generation = (slot.generation + 1) % Self::GENERATIONS;
+        self.free.push(index);
+        Some(flight)
+    }
+
+    fn id(generation: u32, index: u32) -> u64 {
+        (u64::from(generation) << 32) | u64::from(index)
+    }
+}
+
 /// The worker's private view of one QP: its own copies of the indices (never read back
 /// from shared memory), requests in flight, completions waiting for ring space.
 pub(super) struct ServedQp {
@@ -37,8 +100,9 @@ pub(super) struct ServedQp {
     internal: HashMap<u64, Reply>,
     pub(super) sq_head: u32,
     cq_tail: u32,
-    next_wr: u64,
-    in_flight: HashMap<u64, InFlight>,
+    /// The id of the worker's next own request (with [`INTERNAL`]).
+    next_internal: u64,
+    in_flight: InFlightTable,
     sends: u32,
     recvs: u32,
     /// Completions waiting for room in the ring: bounded, because the worker stops taking
@@ -66,7 +130,9 @@ pub(super) struct ServedQp {
 struct Scratch {
     sends: Vec<crate::provider::SendWr>,
     recvs: Vec<crate::provider::RecvWr>,
-    staged: Vec<(u64, InFlight)>,
+    /// The requests staged for the device, in order: their ids, and whether each is a
+    /// receive.
+    staged: Vec<(u64, bool)>,
     wcs: Vec<WorkCompletion>,
 }
 
@@ -78,8 +144,8 @@ impl ServedQp {
             internal: HashMap::default(),
             sq_head: 0,
             cq_tail: 0,
-            next_wr: 1,
-            in_flight: HashMap::default(),
+            next_internal: 1,
+            in_flight: InFlightTable::default(),
             sends: 0,
             recvs: 0,
             backlog: VecDeque::new(),
@@ -243,7 +309,7 @@ impl ServedQp {
                 self.refuse(sub.wr_id, sub.opcode, Status::QueueFull, depth);
                 continue;
             }
-            let wr = self.next_wr;
+            let wr = self.in_flight.next_id();
             match validate::check_length(&sub, self.record.max_message).and_then(|()| {
                 validate::check(
                     &sub,
@@ -254,7 +320,6 @@ impl ServedQp {
                 )
             }) {
                 Ok(checked) => {
-                    self.next_wr += 1;
                     match checked.work {
                         Work::Send(mut w) => {
                             w.inline = validate::goes_inline(&w, self.record.options.max_inline);
@@ -262,15 +327,14 @@ impl ServedQp {
                         }
                         Work::Recv(w) => recvs.push(w),
                     }
-                    staged.push((
-                        wr,
-                        InFlight {
-                            client_wr_id: sub.wr_id,
-                            opcode: sub.opcode,
-                            signaled: sub.signaled,
-                            _pins: checked.pins,
-                        },
-                    ));
+                    let id = self.in_flight.insert(InFlight {
+                        client_wr_id: sub.wr_id,
+                        opcode: sub.opcode,
+                        signaled: sub.signaled,
+                        _pins: checked.pins,
+                    });
+                    debug_assert_eq!(id, wr);
+                    staged.push((id, is_recv));
                 }
                 Err(refusal) => self.refuse(sub.wr_id, sub.opcode, refusal.status, refusal.detail),
             }
@@ -285,9 +349,9 @@ impl ServedQp {
                 e.posted
             }
         };
-        // A device takes a prefix of each batch; request ids grow in the order they were
-        // staged, so the first request it did not take marks the cut.
-        let mut recv_cut = u64::MAX;
+        // A device takes a prefix of each batch: how many of the receives and of the
+        // sends it took, in the order they were staged.
+        let mut recvs_taken = usize::MAX;
         let mut recvs_flushed = false;
         if !recvs.is_empty() {
             let result = self.record.qp.post_recv(recvs);
@@ -298,26 +362,33 @@ impl ServedQp {
                     ..
                 })
             );
-            let n = taken("post_recv", recvs.len(), result);
-            recv_cut = recvs.get(n).map_or(u64::MAX, |w| w.wr_id);
+            recvs_taken = taken("post_recv", recvs.len(), result);
         }
-        let mut send_cut = u64::MAX;
+        let mut sends_taken = usize::MAX;
         if !sends.is_empty() {
-            let n = taken("post_send", sends.len(), self.record.qp.post_send(sends));
-            send_cut = sends.get(n).map_or(u64::MAX, |w| w.wr_id);
+            sends_taken = taken("post_send", sends.len(), self.record.qp.post_send(sends));
         }
-        let mut posted = 0;
-        for (wr, flight) in staged.drain(..) {
-            let is_recv = flight.opcode == Opcode::Recv;
-            if wr < if is_recv { recv_cut } else { send_cut } {
+        let (mut posted, mut recvs_seen, mut sends_seen) = (0, 0, 0);
+        for (wr, is_recv) in staged.drain(..) {
+            let seen = if is_recv {
+                &mut recvs_seen
+            } else {
+                &mut sends_seen
+            };
+            *seen += 1;
+            if *seen <= if is_recv { recvs_taken } else { sends_taken } {
                 if is_recv {
                     self.recvs += 1;
                 } else {
                     self.sends += 1;
                 }
-                self.in_flight.insert(wr, flight);
                 posted += 1;
-            } else if is_recv && recvs_flushed {
+                continue;
+            }
+            let Some(flight) = self.in_flight.remove(wr) else {
+                continue;
+            };
+            if is_recv && recvs_flushed {
                 self.record
                     .counters
                     .failed
@@ -375,7 +446,7 @@ impl ServedQp {
                 let _ = waiter.send(result);
                 continue;
             }
-            let Some(flight) = self.in_flight.remove(&wc.wr_id) else {
+            let Some(flight) = self.in_flight.remove(wc.wr_id) else {
                 continue;
             };
             if flight.opcode == Opcode::Recv {
@@ -465,8 +536,8 @@ impl ServedQp {
             let _ = reply.send(Err(WorkerError::SendQueueFull));
             return;
         }
-        let wr_id = INTERNAL | self.next_wr;
-        self.next_wr += 1;
+        let wr_id = INTERNAL | self.next_internal;
+        self.next_internal += 1;
         let wr = crate::provider::SendWr {
             wr_id,
             op,
@@ -498,5 +569,46 @@ fn status_of(s: WcStatus) -> Status {
         WcStatus::RetryExceeded => Status::RetryExceeded,
         WcStatus::RnrRetryExceeded => Status::RnrRetryExceeded,
         WcStatus::MemoryWindowBindError | WcStatus::Other(_) => Status::DeviceError,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn flight(client_wr_id: u64) -> InFlight {
+        InFlight {
+            client_wr_id,
+            opcode: Opcode::Write,
+            signaled: true,
+            _pins: validate::Pins::new(),
+        }
+    }
+
+    #[test]
+    fn in_flight_ids_are_found_once_and_never_after_their_slot_is_reused() {
+        let mut table = InFlightTable::default();
+        let first = table.next_id();
+        assert_eq!(table.insert(flight(10)), first);
+        let second = table.insert(flight(11));
+        assert_ne!(first, second);
+        assert_eq!(table.remove(first).map(|f| f.client_wr_id), Some(10));
+        // Completed once: the same id again, or an id the worker never gave, finds nothing.
+        assert!(table.remove(first).is_none());
+        assert!(table.remove(second + 1000).is_none());
+        assert!(table.remove(INTERNAL | second).is_none());
+        // The slot comes back under a new id; the old one still finds nothing.
+        let reused = table.next_id();
+        assert_eq!(table.insert(flight(12)), reused);
+        assert_ne!(reused, first);
+        assert_eq!(reused as u32, first as u32, "the freed slot is reused");
+        assert!(table.remove(first).is_none());
+        assert_eq!(table.remove(reused).map(|f| f.client_wr_id), Some(12));
+        assert_eq!(table.remove(second).map(|f| f.client_wr_id), Some(11));
+        assert_eq!(
+            table.slots.len(),
+            2,
+            "the table grows only to the most in flight"
+        );
     }
 }
