@@ -437,7 +437,12 @@ impl ServedQp {
             }
         }
         for wc in wcs.drain(..) {
-            if let Some(waiter) = self.internal.remove(&wc.wr_id) {
+            let internal = if wc.wr_id & INTERNAL != 0 {
+                self.internal.remove(&wc.wr_id)
+            } else {
+                None
+            };
+            if let Some(waiter) = internal {
                 self.sends -= 1;
                 let result = match wc.status {
                     WcStatus::Success => Ok(()),
