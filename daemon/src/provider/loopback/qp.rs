@@ -263,6 +263,7 @@ fn drive(device: &Arc<Shared>, f: impl FnOnce(&mut Exec<'_>)) {
     let mut ex = Exec {
         device,
         kicks: Vec::new(),
+        peer: None,
     };
     f(&mut ex);
     // Each kick either finds nothing to do or completes/flushes work, so this ends; the
@@ -306,6 +307,12 @@ struct Exec<'a> {
     device: &'a Arc<Shared>,
     /// QPs to run after the current one (never run re-entrantly).
     kicks: Vec<u32>,
+    /// The peer the running turn found ready, connected back to its QP (that QP's number
+    /// first), and the rights it grants: the rest of the turn's requests go to it without
+    /// looking again. Nothing but an error can change what a ready peer is and grants
+    /// (`to_init` and `to_rtr` refuse a QP past RTR, and errors and destruction take the
+    /// execution lock), so the answer holds until [`Exec::error`] forgets it.
+    peer: Option<(u32, Arc<QpInner>, Access)>,
 }
 
 impl Exec<'_> {
@@ -320,6 +327,7 @@ impl Exec<'_> {
     /// The head leaves the queue while it runs (moved, not copied; `head_out` keeps its
     /// place for `post_send`), and goes back to the front unless it is done.
     fn run(&mut self, qp: &Arc<QpInner>) {
+        self.peer = None;
         let mut budget = TURN_BYTES;
         loop {
             let mut head = {
@@ -472,6 +480,7 @@ impl Exec<'_> {
 
     /// Moves `qp` to the error state and flushes it; its peer may be waiting on it.
     fn error(&mut self, qp: &Arc<QpInner>) {
+        self.peer = None;
         let peer = {
             let mut data = lock(&qp.data);
             let was = std::mem::replace(&mut data.state, QpState::Error);
@@ -543,7 +552,12 @@ impl Exec<'_> {
 
     /// The connected peer and the remote rights its QP grants (read with its state), or how
     /// long one transport retry waits if it does not answer.
-    fn peer(&self, qp: &QpInner) -> std::result::Result<(Arc<QpInner>, Access), Step> {
+    fn peer(&mut self, qp: &QpInner) -> std::result::Result<(Arc<QpInner>, Access), Step> {
+        if let Some((requester, peer, access)) = &self.peer {
+            if *requester == qp.qp_num {
+                return Ok((Arc::clone(peer), *access));
+            }
+        }
         let (remote, timeout) = {
             let data = lock(&qp.data);
             (data.remote.clone(), data.timeout)
@@ -571,6 +585,7 @@ impl Exec<'_> {
             }
             data.access
         };
+        self.peer = Some((qp.qp_num, Arc::clone(&peer), access));
         Ok((peer, access))
     }
 
