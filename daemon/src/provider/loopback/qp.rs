@@ -325,15 +325,26 @@ impl Exec<'_> {
     /// next poll of the QP's send CQ.
     ///
     /// The head leaves the queue while it runs (moved, not copied; `head_out` keeps its
-    /// place for `post_send`), and goes back to the front unless it is done.
+    /// place for `post_send`), and goes back to the front unless it is done. A done
+    /// request's completion is pushed in the same critical section that gives its place
+    /// up, so no poller sees it complete while it still fills the queue.
     fn run(&mut self, qp: &Arc<QpInner>) {
         self.peer = None;
         let mut budget = TURN_BYTES;
+        let mut done: Option<WorkCompletion> = None;
         loop {
             let mut head = {
                 let mut data = lock(&qp.data);
                 // Whatever ran before is done (or back at the front) by now.
                 data.head_out = false;
+                // The CQ's lock is a leaf lock, taken under a QP's.
+                if let Some(wc) = done.take() {
+                    if !qp.send_cq.push(wc) {
+                        drop(data);
+                        self.error(qp);
+                        return;
+                    }
+                }
                 if data.state == QpState::Error {
                     drop(data);
                     self.flush(qp);
@@ -357,21 +368,14 @@ impl Exec<'_> {
             budget = budget.saturating_sub(REQUEST_COST.min(budget));
             match step {
                 Step::Done(byte_len) => {
-                    if head.wr.signaled {
-                        let wc = WorkCompletion {
-                            wr_id: head.wr.wr_id,
-                            status: WcStatus::Success,
-                            opcode: opcode(&head.wr.op),
-                            byte_len,
-                            imm: None,
-                            qp_num: qp.qp_num,
-                        };
-                        if !qp.send_cq.push(wc) {
-                            lock(&qp.data).head_out = false;
-                            self.error(qp);
-                            return;
-                        }
-                    }
+                    done = head.wr.signaled.then(|| WorkCompletion {
+                        wr_id: head.wr.wr_id,
+                        status: WcStatus::Success,
+                        opcode: opcode(&head.wr.op),
+                        byte_len,
+                        imm: None,
+                        qp_num: qp.qp_num,
+                    });
                 }
                 Step::Partial => {
                     // The head goes back holding what it took (a receive), whatever comes
