@@ -1029,6 +1029,61 @@ fn two_qps_hammering_each_other_do_not_deadlock() {
 }
 
 #[test]
+fn a_completion_polled_frees_its_place_in_the_send_queue() {
+    // A's queue holds one SEND. Each waits for B's receive, which B posts from its own
+    // thread: B's post runs A's turn there, and A, polling on its thread, posts the next
+    // SEND the moment it sees the completion. A completed request must not still count
+    // against the queue's depth, or that post fails with ENOMEM.
+    const SENDS: u64 = 10_000;
+    let dev = LoopbackDevice::new("lo-place");
+    let opts = Opts {
+        depth: 1,
+        ..Opts::default()
+    };
+    let a = End::new(&dev, None, &opts);
+    let b = Arc::new(End::new(&dev, None, &opts));
+    a.connect(&b.endpoint(), &opts);
+    b.connect(&a.endpoint(), &opts);
+    let receiver = {
+        let b = Arc::clone(&b);
+        std::thread::spawn(move || {
+            let mut out = Vec::new();
+            for i in 0..SENDS {
+                b.recv(i, vec![]).unwrap();
+                let deadline = Instant::now() + Duration::from_secs(20);
+                while out.len() as u64 <= i {
+                    b.cq.poll(&mut out, 1).unwrap();
+                    assert!(Instant::now() < deadline, "receive {i} never completed");
+                    std::thread::yield_now();
+                }
+            }
+            out
+        })
+    };
+    let mut out = Vec::new();
+    for i in 0..SENDS {
+        if let Err(e) = a.post(i, send(i), vec![]) {
+            panic!(
+                "SEND {i}, posted once SEND {} had completed: {e}",
+                i.wrapping_sub(1)
+            );
+        }
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while out.len() as u64 <= i {
+            a.cq.poll(&mut out, 1).unwrap();
+            assert!(Instant::now() < deadline, "SEND {i} never completed");
+            std::hint::spin_loop();
+        }
+    }
+    let received = receiver.join().unwrap();
+    assert_eq!(received.len() as u64, SENDS);
+    assert!(out
+        .iter()
+        .chain(&received)
+        .all(|w| w.status == WcStatus::Success));
+}
+
+#[test]
 fn counts_are_exact_whatever_the_drop_order() {
     let dev = LoopbackDevice::new("lo-counts");
     let (a, b) = pair(&dev, &Opts::default());
