@@ -346,12 +346,12 @@ impl ServedQp {
             Ok(()) => len,
             Err(e) => {
                 tracing::debug!(qp = %self.id, "{what}: {e}");
-                e.posted
+                e.posted.min(len)
             }
         };
         // A device takes a prefix of each batch: how many of the receives and of the
-        // sends it took, in the order they were staged.
-        let mut recvs_taken = usize::MAX;
+        // sends it took, the first of each in the order they were staged.
+        let mut recvs_taken = 0;
         let mut recvs_flushed = false;
         if !recvs.is_empty() {
             let result = self.record.qp.post_recv(recvs);
@@ -364,25 +364,23 @@ impl ServedQp {
             );
             recvs_taken = taken("post_recv", recvs.len(), result);
         }
-        let mut sends_taken = usize::MAX;
+        let mut sends_taken = 0;
         if !sends.is_empty() {
             sends_taken = taken("post_send", sends.len(), self.record.qp.post_send(sends));
         }
-        let (mut posted, mut recvs_seen, mut sends_seen) = (0, 0, 0);
+        self.recvs += recvs_taken as u32;
+        self.sends += sends_taken as u32;
+        let posted = (recvs_taken + sends_taken) as u64;
+        // What the device did not take leaves the table.
+        let (mut recvs_left, mut sends_left) = (recvs_taken, sends_taken);
         for (wr, is_recv) in staged.drain(..) {
-            let seen = if is_recv {
-                &mut recvs_seen
+            let left = if is_recv {
+                &mut recvs_left
             } else {
-                &mut sends_seen
+                &mut sends_left
             };
-            *seen += 1;
-            if *seen <= if is_recv { recvs_taken } else { sends_taken } {
-                if is_recv {
-                    self.recvs += 1;
-                } else {
-                    self.sends += 1;
-                }
-                posted += 1;
+            if *left > 0 {
+                *left -= 1;
                 continue;
             }
             let Some(flight) = self.in_flight.remove(wr) else {

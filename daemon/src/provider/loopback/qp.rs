@@ -350,10 +350,10 @@ impl Exec<'_> {
                     self.flush(qp);
                     return;
                 }
-                if data.state != QpState::Rts || data.sq.is_empty() {
+                if data.state != QpState::Rts {
                     return;
                 }
-                if budget == 0 {
+                if budget == 0 && !data.sq.is_empty() {
                     drop(data);
                     qp.send_cq.continue_later(qp.qp_num);
                     return;
