@@ -58,7 +58,8 @@ pub struct DaemonConfig {
     #[serde(default = "default_spin_us")]
     pub worker_spin_us: u32,
     /// Data-path worker threads; queue pairs are spread over them (each new one goes to
-    /// the worker serving the fewest). 0, the default: one per CPU rdmad may run on.
+    /// the worker serving the fewest). 0, the default: one per two CPUs rdmad may run on
+    /// ([`default_workers`]).
     #[serde(default)]
     pub workers: u32,
 }
@@ -71,13 +72,26 @@ fn default_spin_us() -> u32 {
 pub const MAX_WORKERS: u32 = 256;
 
 impl DaemonConfig {
-    /// How many data-path workers to run: `workers`, or one per CPU rdmad may run on.
+    /// How many data-path workers to run: `workers`, or [`default_workers`] for the CPUs
+    /// rdmad may run on.
     pub fn worker_count(&self) -> usize {
         match self.workers {
-            0 => std::thread::available_parallelism().map_or(1, std::num::NonZeroUsize::get),
+            0 => default_workers(
+                std::thread::available_parallelism().map_or(1, std::num::NonZeroUsize::get),
+            ),
             n => n as usize,
         }
     }
+}
+
+/// The workers rdmad runs on `cpus` CPUs unless told otherwise: one per two CPUs, at least
+/// one. A busy worker spins, and so does a client busy-polling its ring: a CPU for each
+/// keeps both running. With one worker per CPU, spinning workers and their spinning clients
+/// outnumbered the CPUs as soon as half the workers were busy, and every hand-off between
+/// them waited for the scheduler (on a 2-vCPU Soft-RoCE guest, WRITE round trips through
+/// rdmad were 2.5–5× slower with two workers than with one; docs/benchmarks.md).
+pub fn default_workers(cpus: usize) -> usize {
+    cpus.div_ceil(2).max(1)
 }
 
 impl Default for DaemonConfig {
@@ -350,8 +364,8 @@ impl Config {
             return Err((
                 "daemon.workers".into(),
                 format!(
-                    "{} data-path workers is more than {MAX_WORKERS}; use 0 (one per CPU) or \
-                     at most {MAX_WORKERS}",
+                    "{} data-path workers is more than {MAX_WORKERS}; use 0 (one per two \
+                     CPUs) or at most {MAX_WORKERS}",
                     self.daemon.workers
                 ),
             ));
@@ -684,7 +698,7 @@ mod tests {
             ("[[device]]\nname = \"a\"\n[[pool]]\nname = \"p\"\ndevice = \"b\"\ncapacity = 4096\nsize_classes = [4096]\n", 5, "pool[0].device", "not one of the [[device]]"),
             ("[quota.default]\nregions = -1\n", 2, "quota.default.regions", "invalid value"),
             ("[daemon]\nworker_spin_us = 5000000\n", 2, "daemon.worker_spin_us", "busy polling"),
-            ("[daemon]\nworkers = 1000\n", 2, "daemon.workers", "one per CPU"),
+            ("[daemon]\nworkers = 1000\n", 2, "daemon.workers", "one per two CPUs"),
             ("[quota.default]\nregions = 100000000000\n", 2, "quota.default.regions", "absurd"),
             ("[quota.default]\nregion = 10\n", 2, "quota.default.region", "unknown field"),
             ("[quota.user.nobody]\nexports = 100000000000\n", 2, "quota.user.nobody.exports", "absurd"),
@@ -790,5 +804,17 @@ mod tests {
                 .starts_with("/nonexistent/rdmad.toml: cannot read"),
             "{e}"
         );
+    }
+
+    #[test]
+    fn the_default_is_a_worker_per_two_cpus_and_never_none() {
+        let got: Vec<usize> = [1, 2, 3, 4, 5, 64].map(default_workers).to_vec();
+        assert_eq!(got, [1, 1, 2, 2, 3, 32]);
+        // An explicit count is taken as it is, even on fewer CPUs.
+        let explicit = DaemonConfig {
+            workers: 3,
+            ..Config::default().daemon
+        };
+        assert_eq!(explicit.worker_count(), 3);
     }
 }
