@@ -254,3 +254,264 @@ fn a_batch_is_published_at_once_and_no_more_than_fits() {
     take(&mut ring, sq);
     assert_eq!(ring.poll().unwrap(), None);
 }
+
+/// A device that takes only the first `take` requests of each batch (as one whose queue
+/// fills part-way does), or refuses receives as flushed (as rxe does on a QP in the error
+/// state), and completes what it took when its CQ is polled.
+#[derive(Debug)]
+struct TakesPrefix {
+    take: usize,
+    flushes_recvs: bool,
+    posted: std::sync::Mutex<Vec<(u64, crate::provider::WcOpcode)>>,
+    event: std::os::fd::OwnedFd,
+}
+
+impl TakesPrefix {
+    fn new(take: usize, flushes_recvs: bool) -> Arc<TakesPrefix> {
+        Arc::new(TakesPrefix {
+            take,
+            flushes_recvs,
+            posted: std::sync::Mutex::new(Vec::new()),
+            event: std::fs::File::open("/dev/null").unwrap().into(),
+        })
+    }
+
+    fn post(
+        &self,
+        ids: impl ExactSizeIterator<Item = u64>,
+        opcode: crate::provider::WcOpcode,
+    ) -> Result<(), crate::provider::PostError> {
+        let asked = ids.len();
+        let mut posted = self.posted.lock().unwrap();
+        posted.extend(ids.take(self.take).map(|id| (id, opcode)));
+        if asked <= self.take {
+            return Ok(());
+        }
+        Err(crate::provider::PostError {
+            posted: self.take,
+            error: crate::provider::ProviderError::InvalidArgument {
+                device: "prefix0".into(),
+                message: "queue full".into(),
+            },
+        })
+    }
+}
+
+impl crate::provider::QueuePair for TakesPrefix {
+    fn qp_num(&self) -> u32 {
+        1
+    }
+    fn state(&self) -> crate::provider::Result<crate::provider::QpState> {
+        Ok(crate::provider::QpState::Rts)
+    }
+    fn to_init(&self, _: u8, _: crate::provider::Access) -> crate::provider::Result<()> {
+        Ok(())
+    }
+    fn to_rtr(
+        &self,
+        _: &crate::provider::RemoteEndpoint,
+        _: &crate::provider::RtrAttributes,
+    ) -> crate::provider::Result<()> {
+        Ok(())
+    }
+    fn to_rts(&self, _: &crate::provider::RtsAttributes) -> crate::provider::Result<()> {
+        Ok(())
+    }
+    fn to_error(&self) -> crate::provider::Result<()> {
+        Ok(())
+    }
+    fn post_send(&self, wrs: &[crate::provider::SendWr]) -> Result<(), crate::provider::PostError> {
+        self.post(wrs.iter().map(|w| w.wr_id), crate::provider::WcOpcode::Send)
+    }
+    fn post_recv(&self, wrs: &[crate::provider::RecvWr]) -> Result<(), crate::provider::PostError> {
+        if self.flushes_recvs {
+            return Err(crate::provider::PostError::none(
+                crate::provider::ProviderError::Flushed {
+                    device: "prefix0".into(),
+                },
+            ));
+        }
+        self.post(wrs.iter().map(|w| w.wr_id), crate::provider::WcOpcode::Recv)
+    }
+    fn as_any(&self) -> &dyn std::any::Any {
+        self
+    }
+}
+
+/// The CQ of a [`TakesPrefix`]: every request it took completes successfully.
+#[derive(Debug)]
+struct PrefixCq(Arc<TakesPrefix>);
+
+impl crate::provider::CompletionQueue for PrefixCq {
+    fn poll(
+        &self,
+        out: &mut Vec<crate::provider::WorkCompletion>,
+        max: usize,
+    ) -> crate::provider::Result<usize> {
+        let mut posted = self.0.posted.lock().unwrap();
+        let n = posted.len().min(max);
+        out.extend(
+            posted
+                .drain(..n)
+                .map(|(wr_id, opcode)| crate::provider::WorkCompletion {
+                    wr_id,
+                    status: crate::provider::WcStatus::Success,
+                    opcode,
+                    byte_len: 0,
+                    imm: None,
+                    qp_num: 1,
+                }),
+        );
+        Ok(n)
+    }
+    fn arm(&self) -> crate::provider::Result<()> {
+        Ok(())
+    }
+    fn event_fd(&self) -> std::os::fd::BorrowedFd<'_> {
+        std::os::fd::AsFd::as_fd(&self.0.event)
+    }
+    fn acknowledge_events(&self) -> crate::provider::Result<u32> {
+        Ok(0)
+    }
+    fn as_any(&self) -> &dyn std::any::Any {
+        self
+    }
+}
+
+/// A record like `q`'s (its session, rights and options) on a device of its own and a
+/// ring of its own, which no worker serves: the test serves it by hand.
+fn record_on(q: &QueuePairRecord, device: &Arc<TakesPrefix>) -> Arc<QueuePairRecord> {
+    let ring = crate::memory::SharedMemory::create(c"rdmad-test-ring", q.layout.size()).unwrap();
+    for (offset, word) in q.layout.header_words() {
+        ring.write_at(offset, &word.to_le_bytes()).unwrap();
+    }
+    Arc::new(QueuePairRecord {
+        session: q.session,
+        rights: Arc::clone(&q.rights),
+        owner_uid: q.owner_uid,
+        device: "prefix0".into(),
+        options: q.options,
+        domain: q.domain,
+        exports: std::sync::Mutex::default(),
+        link: std::sync::Mutex::new(None),
+        connecting: std::sync::atomic::AtomicBool::new(false),
+        qp: Arc::clone(device) as Arc<dyn crate::provider::QueuePair>,
+        cq: Arc::new(PrefixCq(Arc::clone(device))),
+        ring: Arc::new(ring),
+        layout: q.layout,
+        doorbell: super::wakeup::WakePipe::doorbell().unwrap(),
+        completion_event: super::wakeup::WakePipe::completions().unwrap(),
+        local: q.local.clone(),
+        max_message: q.max_message,
+        remote: std::sync::Mutex::new(None),
+        counters: crate::engine::qp::QpCounters::default(),
+        worker: std::sync::OnceLock::new(),
+    })
+}
+
+/// A zero-length request (no SGE): the checks pass it without any region.
+fn empty(opcode: Opcode, wr_id: u64) -> Submission {
+    Submission {
+        sges: Default::default(),
+        ..Submission::new(
+            opcode,
+            wr_id,
+            RegionSge {
+                region: 0,
+                offset: 0,
+                length: 0,
+            },
+        )
+    }
+}
+
+/// Serves `record` until nothing moves; returns every completion its client then reads,
+/// sorted by wr_id.
+fn serve_all(
+    served: &mut super::served::ServedQp,
+    ring: &mut QueuePairRing,
+) -> Vec<(u64, Status, Opcode)> {
+    while served.serve() {}
+    let mut got = Vec::new();
+    while let Some(c) = ring.poll().unwrap() {
+        got.push((c.wr_id, c.status, c.opcode));
+    }
+    got.sort_by_key(|c| c.0);
+    got
+}
+
+/// A device that takes the first 3 of a batch of 5 sends: the 3 it took complete as the
+/// device says, the other 2 come back refused (`DeviceError`, not counted against the
+/// client), nothing stays in flight, and the counters say 3 posted, 3 completed. The same
+/// for receives, and for a batch of both; receives a device refuses as flushed complete
+/// `WrFlushError`.
+#[test]
+fn what_a_device_does_not_take_of_a_batch_comes_back_refused() {
+    use crate::engine::qp::QpId;
+    use std::sync::atomic::Ordering::Relaxed;
+    let (_engine, q) = loopback_qp();
+    let device = TakesPrefix::new(3, false);
+    let record = record_on(&q, &device);
+    let mut ring = ring_of(&record);
+    let mut served = super::served::ServedQp::new(QpId(u64::MAX), Arc::clone(&record));
+    for opcode in [Opcode::Send, Opcode::Recv] {
+        let batch: Vec<Submission> = (0..5).map(|i| empty(opcode, i)).collect();
+        assert_eq!(ring.submit_all(&batch).unwrap(), 5);
+        let expected: Vec<(u64, Status, Opcode)> = (0..5)
+            .map(|i| {
+                let status = if i < 3 {
+                    Status::Success
+                } else {
+                    Status::DeviceError
+                };
+                (i, status, opcode)
+            })
+            .collect();
+        assert_eq!(serve_all(&mut served, &mut ring), expected, "{opcode:?}");
+        assert!(served.may_rest(), "{opcode:?}: requests left in flight");
+        assert!(!served.expects_completions(), "{opcode:?}");
+    }
+    // Sends and receives in one batch: each kind's first 3 are taken, in the order staged.
+    let kind = |i: u64| {
+        if i % 2 == 0 {
+            Opcode::Send
+        } else {
+            Opcode::Recv
+        }
+    };
+    let batch: Vec<Submission> = (0..8).map(|i| empty(kind(i), i)).collect();
+    assert_eq!(ring.submit_all(&batch).unwrap(), 8);
+    let expected: Vec<(u64, Status, Opcode)> = (0..8)
+        .map(|i| {
+            let status = if i < 6 {
+                Status::Success
+            } else {
+                Status::DeviceError
+            };
+            (i, status, kind(i))
+        })
+        .collect();
+    assert_eq!(serve_all(&mut served, &mut ring), expected);
+    assert!(served.may_rest(), "requests left in flight");
+    let c = &record.counters;
+    assert_eq!(
+        [&c.posted, &c.completed, &c.failed, &c.refused].map(|n| n.load(Relaxed)),
+        [12, 12, 0, 0]
+    );
+
+    let device = TakesPrefix::new(3, true);
+    let record = record_on(&q, &device);
+    let mut ring = ring_of(&record);
+    let mut served = super::served::ServedQp::new(QpId(u64::MAX), Arc::clone(&record));
+    let batch: Vec<Submission> = (0..4).map(|i| empty(Opcode::Recv, i)).collect();
+    assert_eq!(ring.submit_all(&batch).unwrap(), 4);
+    let flushed: Vec<_> = (0..4)
+        .map(|i| (i, Status::WrFlushError, Opcode::Recv))
+        .collect();
+    assert_eq!(serve_all(&mut served, &mut ring), flushed);
+    let c = &record.counters;
+    assert_eq!(
+        [&c.posted, &c.completed, &c.failed, &c.refused].map(|n| n.load(Relaxed)),
+        [0, 0, 4, 0]
+    );
+}
