@@ -440,6 +440,21 @@ fn serve_all(
     got
 }
 
+/// What a client reads back for requests `0..n` of which the device took the first
+/// `taken`: those complete, the rest are refused as the device's.
+fn outcomes(n: u64, taken: u64, opcode: impl Fn(u64) -> Opcode) -> Vec<(u64, Status, Opcode)> {
+    (0..n)
+        .map(|i| {
+            let status = if i < taken {
+                Status::Success
+            } else {
+                Status::DeviceError
+            };
+            (i, status, opcode(i))
+        })
+        .collect()
+}
+
 /// A device that takes the first 3 of a batch of 5 sends: the 3 it took complete as the
 /// device says, the other 2 come back refused (`DeviceError`, not counted against the
 /// client), nothing stays in flight, and the counters say 3 posted, 3 completed. The same
@@ -457,16 +472,7 @@ fn what_a_device_does_not_take_of_a_batch_comes_back_refused() {
     for opcode in [Opcode::Send, Opcode::Recv] {
         let batch: Vec<Submission> = (0..5).map(|i| empty(opcode, i)).collect();
         assert_eq!(ring.submit_all(&batch).unwrap(), 5);
-        let expected: Vec<(u64, Status, Opcode)> = (0..5)
-            .map(|i| {
-                let status = if i < 3 {
-                    Status::Success
-                } else {
-                    Status::DeviceError
-                };
-                (i, status, opcode)
-            })
-            .collect();
+        let expected = outcomes(5, 3, |_| opcode);
         assert_eq!(serve_all(&mut served, &mut ring), expected, "{opcode:?}");
         assert!(served.may_rest(), "{opcode:?}: requests left in flight");
         assert!(!served.expects_completions(), "{opcode:?}");
@@ -481,17 +487,7 @@ fn what_a_device_does_not_take_of_a_batch_comes_back_refused() {
     };
     let batch: Vec<Submission> = (0..8).map(|i| empty(kind(i), i)).collect();
     assert_eq!(ring.submit_all(&batch).unwrap(), 8);
-    let expected: Vec<(u64, Status, Opcode)> = (0..8)
-        .map(|i| {
-            let status = if i < 6 {
-                Status::Success
-            } else {
-                Status::DeviceError
-            };
-            (i, status, kind(i))
-        })
-        .collect();
-    assert_eq!(serve_all(&mut served, &mut ring), expected);
+    assert_eq!(serve_all(&mut served, &mut ring), outcomes(8, 6, kind));
     assert!(served.may_rest(), "requests left in flight");
     let c = &record.counters;
     assert_eq!(
