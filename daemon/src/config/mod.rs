@@ -85,11 +85,11 @@ impl DaemonConfig {
 }
 
 /// The workers rdmad runs on `cpus` CPUs unless told otherwise: one per two CPUs, at least
-/// one. A busy worker spins, and so does a client busy-polling its ring: a CPU for each
-/// keeps both running. With one worker per CPU, spinning workers and their spinning clients
-/// outnumbered the CPUs as soon as half the workers were busy, and every hand-off between
-/// them waited for the scheduler (on a 2-vCPU Soft-RoCE guest, WRITE round trips through
-/// rdmad were 2.5–5× slower with two workers than with one; docs/benchmarks.md).
+/// one. A busy worker spins, and so does a client busy-polling its ring: with one worker
+/// per CPU, busy workers and their spinning clients outnumbered the CPUs once more than
+/// half the workers were busy, and every hand-off between them waited for the scheduler
+/// (on a 2-vCPU Soft-RoCE guest, WRITE round trips through rdmad were 2.5–5× slower with
+/// two workers than with one; docs/benchmarks.md, "One worker per two CPUs").
 pub fn default_workers(cpus: usize) -> usize {
     cpus.div_ceil(2).max(1)
 }
