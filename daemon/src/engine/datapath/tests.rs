@@ -378,16 +378,20 @@ impl crate::provider::CompletionQueue for PrefixCq {
     }
 }
 
-/// A record like `q`'s (its session, rights and options) on a device of its own and a
-/// ring of its own, which no worker serves: the test serves it by hand.
-fn record_on(q: &QueuePairRecord, device: &Arc<TakesPrefix>) -> Arc<QueuePairRecord> {
+/// A record like `q`'s (its session and options) with `rights`, on a device of its own and
+/// a ring of its own, which no worker serves: the test serves it by hand.
+fn record_on(
+    q: &QueuePairRecord,
+    device: &Arc<TakesPrefix>,
+    rights: Arc<super::rights::SessionRights>,
+) -> Arc<QueuePairRecord> {
     let ring = crate::memory::SharedMemory::create(c"rdmad-test-ring", q.layout.size()).unwrap();
     for (offset, word) in q.layout.header_words() {
         ring.write_at(offset, &word.to_le_bytes()).unwrap();
     }
     Arc::new(QueuePairRecord {
         session: q.session,
-        rights: Arc::clone(&q.rights),
+        rights,
         owner_uid: q.owner_uid,
         device: "prefix0".into(),
         options: q.options,
@@ -409,20 +413,45 @@ fn record_on(q: &QueuePairRecord, device: &Arc<TakesPrefix>) -> Arc<QueuePairRec
     })
 }
 
-/// A zero-length request (no SGE): the checks pass it without any region.
-fn empty(opcode: Opcode, wr_id: u64) -> Submission {
-    Submission {
-        sges: Default::default(),
-        ..Submission::new(
-            opcode,
-            wr_id,
-            RegionSge {
-                region: 0,
-                offset: 0,
-                length: 0,
-            },
-        )
-    }
+/// Rights to one region, number 1, of 4 KiB: its registration, whose reference count
+/// tells how many requests pin it.
+fn one_region() -> (
+    Arc<super::rights::SessionRights>,
+    Arc<dyn crate::provider::MemoryRegion>,
+) {
+    use crate::provider::Device;
+    let device = crate::provider::loopback::LoopbackDevice::new("lo-prefix");
+    let memory = Arc::new(crate::memory::SharedMemory::create(c"rdmad-test-region", 4096).unwrap());
+    let mr = device
+        .alloc_pd()
+        .unwrap()
+        .register(memory, crate::provider::Access::LOCAL_WRITE)
+        .unwrap();
+    let mut rights = super::validate::RegionRights::default();
+    rights.insert(
+        crate::engine::RegionId(1),
+        super::validate::RegionRight {
+            mr: Arc::clone(&mr),
+            writable: true,
+            in_domains: Vec::new(),
+        },
+    );
+    let session = Arc::new(super::rights::SessionRights::default());
+    session.store(rights);
+    (session, mr)
+}
+
+/// A request of 8 bytes of region 1 (see [`one_region`]).
+fn on_region(opcode: Opcode, wr_id: u64) -> Submission {
+    Submission::new(
+        opcode,
+        wr_id,
+        RegionSge {
+            region: 1,
+            offset: 0,
+            length: 8,
+        },
+    )
 }
 
 /// Serves `record` until nothing moves; returns every completion its client then reads,
@@ -458,7 +487,8 @@ fn outcomes(n: u64, taken: u64, opcode: impl Fn(u64) -> Opcode) -> Vec<(u64, Sta
 
 /// A device that takes the first 3 of a batch of 5 sends: the 3 it took complete as the
 /// device says, the other 2 come back refused (`DeviceError`, not counted against the
-/// client), nothing stays in flight, and the counters say 3 posted, 3 completed. The same
+/// client), nothing stays in flight or pins the region it used, and the counters say 3
+/// posted, 3 completed. The same
 /// for receives, and for a batch of both; receives a device refuses as flushed complete
 /// `WrFlushError`.
 #[test]
@@ -466,22 +496,30 @@ fn what_a_device_does_not_take_of_a_batch_comes_back_refused() {
     use crate::engine::qp::QpId;
     use std::sync::atomic::Ordering::Relaxed;
     let (_engine, q) = loopback_qp();
+    let (rights, mr) = one_region();
+    // Held by the rights and by `mr`: every request adds one while it is in flight.
+    let unpinned = Arc::strong_count(&mr);
     let device = TakesPrefix::new(3, false);
-    let record = record_on(&q, &device);
+    let record = record_on(&q, &device, Arc::clone(&rights));
     let mut ring = ring_of(&record);
     let mut served = super::served::ServedQp::new(QpId(u64::MAX), Arc::clone(&record));
     for opcode in [Opcode::Send, Opcode::Recv] {
-        let batch: Vec<Submission> = (0..5).map(|i| empty(opcode, i)).collect();
+        let batch: Vec<Submission> = (0..5).map(|i| on_region(opcode, i)).collect();
         assert_eq!(ring.submit_all(&batch).unwrap(), 5);
         let expected = outcomes(5, 3, |_| opcode);
         assert_eq!(serve_all(&mut served, &mut ring), expected, "{opcode:?}");
         assert!(served.may_rest(), "{opcode:?}: requests left in flight");
         assert!(!served.expects_completions(), "{opcode:?}");
+        assert_eq!(
+            Arc::strong_count(&mr),
+            unpinned,
+            "{opcode:?}: the region stays pinned"
+        );
     }
     // Four sends, then four receives, in one batch: the device takes the first 3 of each
     // kind (receives and sends are posted as two batches), so wr 3 and 7 are refused.
     let kind = |i: u64| if i < 4 { Opcode::Send } else { Opcode::Recv };
-    let batch: Vec<Submission> = (0..8).map(|i| empty(kind(i), i)).collect();
+    let batch: Vec<Submission> = (0..8).map(|i| on_region(kind(i), i)).collect();
     assert_eq!(ring.submit_all(&batch).unwrap(), 8);
     let mut expected = outcomes(8, 8, kind);
     for refused in [3, 7] {
@@ -489,6 +527,7 @@ fn what_a_device_does_not_take_of_a_batch_comes_back_refused() {
     }
     assert_eq!(serve_all(&mut served, &mut ring), expected);
     assert!(served.may_rest(), "requests left in flight");
+    assert_eq!(Arc::strong_count(&mr), unpinned, "the region stays pinned");
     let c = &record.counters;
     assert_eq!(
         [&c.posted, &c.completed, &c.failed, &c.refused].map(|n| n.load(Relaxed)),
@@ -496,15 +535,20 @@ fn what_a_device_does_not_take_of_a_batch_comes_back_refused() {
     );
 
     let device = TakesPrefix::new(3, true);
-    let record = record_on(&q, &device);
+    let record = record_on(&q, &device, rights);
     let mut ring = ring_of(&record);
     let mut served = super::served::ServedQp::new(QpId(u64::MAX), Arc::clone(&record));
-    let batch: Vec<Submission> = (0..4).map(|i| empty(Opcode::Recv, i)).collect();
+    let batch: Vec<Submission> = (0..4).map(|i| on_region(Opcode::Recv, i)).collect();
     assert_eq!(ring.submit_all(&batch).unwrap(), 4);
     let flushed: Vec<_> = (0..4)
         .map(|i| (i, Status::WrFlushError, Opcode::Recv))
         .collect();
     assert_eq!(serve_all(&mut served, &mut ring), flushed);
+    assert_eq!(
+        Arc::strong_count(&mr),
+        unpinned,
+        "flushed receives pin the region"
+    );
     let c = &record.counters;
     assert_eq!(
         [&c.posted, &c.completed, &c.failed, &c.refused].map(|n| n.load(Relaxed)),
