@@ -238,12 +238,7 @@ pub fn create(
         options.send_depth + options.recv_depth,
     )
     .ok_or_else(|| EngineError::InvalidArgument("queue depths too large for a ring".into()))?;
-    let ring = SharedMemory::create(c"rdmad-qp-ring", layout.size())
-        .map_err(|e| EngineError::os("cannot create the QP's ring", e))?;
-    for (offset, word) in layout.header_words() {
-        ring.write_at(offset, &word.to_le_bytes())
-            .map_err(|e| EngineError::os("cannot write the QP's ring header", e))?;
-    }
+    let ring = new_ring(&layout)?;
     let local = LocalEndpoint {
         gid: gid.gid,
         gid_index: gid.index,
@@ -277,6 +272,18 @@ pub fn create(
         counters: QpCounters::default(),
         worker: std::sync::OnceLock::new(),
     })
+}
+
+/// A QP's submission and completion rings of `layout`, its header written, as
+/// `CreateQueuePair` hands them to the client.
+pub(super) fn new_ring(layout: &Layout) -> Result<SharedMemory, EngineError> {
+    let ring = SharedMemory::create(c"rdmad-qp-ring", layout.size())
+        .map_err(|e| EngineError::os("cannot create the QP's ring", e))?;
+    for (offset, word) in layout.header_words() {
+        ring.write_at(offset, &word.to_le_bytes())
+            .map_err(|e| EngineError::os("cannot write the QP's ring header", e))?;
+    }
+    Ok(ring)
 }
 
 /// Connection defaults taken from the device (`Connect` options may lower them later).

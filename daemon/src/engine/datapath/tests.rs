@@ -385,10 +385,7 @@ fn record_on(
     device: &Arc<TakesPrefix>,
     rights: Arc<super::rights::SessionRights>,
 ) -> Arc<QueuePairRecord> {
-    let ring = crate::memory::SharedMemory::create(c"rdmad-test-ring", q.layout.size()).unwrap();
-    for (offset, word) in q.layout.header_words() {
-        ring.write_at(offset, &word.to_le_bytes()).unwrap();
-    }
+    let ring = crate::engine::qp::new_ring(&q.layout).unwrap();
     Arc::new(QueuePairRecord {
         session: q.session,
         rights,
@@ -413,35 +410,19 @@ fn record_on(
     })
 }
 
-/// Rights to one region, number 1, of 4 KiB: its registration, whose reference count
-/// tells how many requests pin it.
-fn one_region() -> (
+/// A session's rights to validate's two test regions (1 writable, 2 read-only, 8 KiB each)
+/// and region 1's registration, whose reference count tells how many requests pin it.
+fn rights_and_region_1() -> (
     Arc<super::rights::SessionRights>,
     Arc<dyn crate::provider::MemoryRegion>,
 ) {
-    use crate::provider::Device;
-    let device = crate::provider::loopback::LoopbackDevice::new("lo-prefix");
-    let memory = Arc::new(crate::memory::SharedMemory::create(c"rdmad-test-region", 4096).unwrap());
-    let mr = device
-        .alloc_pd()
-        .unwrap()
-        .register(memory, crate::provider::Access::LOCAL_WRITE)
-        .unwrap();
-    let mut rights = super::validate::RegionRights::default();
-    rights.insert(
-        crate::engine::RegionId(1),
-        super::validate::RegionRight {
-            mr: Arc::clone(&mr),
-            writable: true,
-            in_domains: Vec::new(),
-        },
-    );
+    let (rights, mut mrs) = super::validate::tests::rights();
     let session = Arc::new(super::rights::SessionRights::default());
     session.store(rights);
-    (session, mr)
+    (session, mrs.swap_remove(0))
 }
 
-/// A request of 8 bytes of region 1 (see [`one_region`]).
+/// A request of 8 bytes of region 1 (see [`rights_and_region_1`]).
 fn on_region(opcode: Opcode, wr_id: u64) -> Submission {
     Submission::new(
         opcode,
@@ -488,15 +469,14 @@ fn outcomes(n: u64, taken: u64, opcode: impl Fn(u64) -> Opcode) -> Vec<(u64, Sta
 /// A device that takes the first 3 of a batch of 5 sends: the 3 it took complete as the
 /// device says, the other 2 come back refused (`DeviceError`, not counted against the
 /// client), nothing stays in flight or pins the region it used, and the counters say 3
-/// posted, 3 completed. The same
-/// for receives, and for a batch of both; receives a device refuses as flushed complete
-/// `WrFlushError`.
+/// posted, 3 completed. The same for receives, and for a batch of both; receives a device
+/// refuses as flushed complete `WrFlushError`.
 #[test]
 fn what_a_device_does_not_take_of_a_batch_comes_back_refused() {
     use crate::engine::qp::QpId;
     use std::sync::atomic::Ordering::Relaxed;
     let (_engine, q) = loopback_qp();
-    let (rights, mr) = one_region();
+    let (rights, mr) = rights_and_region_1();
     // Held by the rights and by `mr`: every request adds one while it is in flight.
     let unpinned = Arc::strong_count(&mr);
     let device = TakesPrefix::new(3, false);

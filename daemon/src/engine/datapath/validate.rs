@@ -184,14 +184,16 @@ pub fn goes_inline(wr: &SendWr, max_inline: u32) -> bool {
 }
 
 #[cfg(test)]
-mod tests {
+pub(super) mod tests {
     use super::*;
     use crate::memory::SharedMemory;
     use crate::provider::loopback::LoopbackDevice;
     use crate::provider::{Access, Device};
     use rdmad_client::ring::RegionSge;
 
-    fn rights() -> (RegionRights, Vec<Arc<dyn MemoryRegion>>) {
+    /// Rights to two regions on a loopback device: 1 writable, 2 read-only, 8 KiB each;
+    /// and their registrations, in that order.
+    pub(in crate::engine::datapath) fn rights() -> (RegionRights, Vec<Arc<dyn MemoryRegion>>) {
         let dev = LoopbackDevice::new("lo-validate");
         let pd = dev.alloc_pd().unwrap();
         let mut rights = RegionRights::default();
