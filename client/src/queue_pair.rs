@@ -265,3 +265,156 @@ impl QueuePairRing {
         }
     }
 }
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::ring::{Opcode, RegionSge, Status};
+
+    /// A ring as the daemon lays it out, the client's end of it, and the daemon's: its own
+    /// mapping of the memory and the doorbell's read end.
+    struct Rig {
+        client: QueuePairRing,
+        daemon: RegionMapping,
+        layout: Layout,
+        doorbell: OwnedFd,
+        cq_tail: u32,
+    }
+
+    fn pipe() -> (OwnedFd, OwnedFd) {
+        nix::unistd::pipe2(nix::fcntl::OFlag::O_NONBLOCK | nix::fcntl::OFlag::O_CLOEXEC).unwrap()
+    }
+
+    fn rig(sq_entries: u32, cq_entries: u32) -> Rig {
+        let layout = Layout::new(sq_entries, cq_entries).unwrap();
+        let size = layout.size();
+        let fd =
+            nix::sys::memfd::memfd_create(c"ring-test", nix::sys::memfd::MemFdCreateFlag::empty())
+                .unwrap();
+        nix::unistd::ftruncate(&fd, size as i64).unwrap();
+        let daemon = RegionMapping::map(fd.try_clone().unwrap(), size, true).unwrap();
+        for (offset, value) in layout.header_words() {
+            daemon.store_u32(offset, value).unwrap();
+        }
+        let (doorbell, doorbell_client) = pipe();
+        let (_completions_daemon, completions) = pipe();
+        let info = RingInfo {
+            size: size as u64,
+            sq_entries: layout.sq_entries,
+            cq_entries: layout.cq_entries,
+        };
+        let client = QueuePairRing::new(fd, doorbell_client, completions, info).unwrap();
+        Rig {
+            client,
+            daemon,
+            layout,
+            doorbell,
+            cq_tail: 0,
+        }
+    }
+
+    impl Rig {
+        /// Delivers a completion as the worker does: the entry, then the tail.
+        fn deliver(&mut self, wr_id: u64) {
+            let c = Completion {
+                wr_id,
+                status: Status::Success,
+                opcode: Opcode::Write,
+                byte_len: 8,
+                imm: None,
+                detail: 0,
+            };
+            self.daemon
+                .write(self.layout.cqe(self.cq_tail), &c.encode())
+                .unwrap();
+            self.cq_tail += 1;
+            self.daemon
+                .store_u32(header::CQ_TAIL, self.cq_tail)
+                .unwrap();
+        }
+
+        /// Doorbell bytes written since the last look.
+        fn rings(&self) -> usize {
+            let mut buf = [0u8; 64];
+            match nix::unistd::read(std::os::fd::AsRawFd::as_raw_fd(&self.doorbell), &mut buf) {
+                Ok(n) => n,
+                Err(nix::errno::Errno::EAGAIN) => 0,
+                Err(e) => panic!("doorbell: {e}"),
+            }
+        }
+    }
+
+    fn write(wr_id: u64) -> Submission {
+        Submission::new(
+            Opcode::Write,
+            wr_id,
+            RegionSge {
+                region: 1,
+                offset: 0,
+                length: 8,
+            },
+        )
+    }
+
+    /// The client counts the room it has from the daemon's head as it last saw it, so a
+    /// full ring must still be refused, and the room the daemon frees must be used.
+    #[test]
+    fn the_submission_ring_takes_exactly_the_room_the_daemon_has_freed() {
+        let mut r = rig(4, 4);
+        for wr_id in 0..4 {
+            assert_eq!(r.client.submit(&write(wr_id)).unwrap(), Ok(()));
+        }
+        assert_eq!(r.client.submit(&write(4)).unwrap(), Err(RingFull));
+        assert_eq!(r.daemon.load_u32(header::SQ_TAIL).unwrap(), 4);
+        // The daemon takes three.
+        r.daemon.store_u32(header::SQ_HEAD, 3).unwrap();
+        assert_eq!(r.client.submit_all(&[write(4), write(5)]).unwrap(), 2);
+        assert_eq!(r.client.submit(&write(6)).unwrap(), Ok(()));
+        assert_eq!(r.client.submit(&write(7)).unwrap(), Err(RingFull));
+        assert_eq!(r.client.submit_all(&[write(7)]).unwrap(), 0);
+        assert_eq!(r.daemon.load_u32(header::SQ_TAIL).unwrap(), 7);
+        // What lies in the slots is what was submitted, in order.
+        let mut bytes = [0u8; ring::SQE_SIZE];
+        for wr_id in 3..7 {
+            r.daemon
+                .read(r.layout.sqe(wr_id as u32), &mut bytes)
+                .unwrap();
+            assert_eq!(Submission::decode(&bytes).unwrap().wr_id, wr_id);
+        }
+        // No worker sleeps here: nothing rang the doorbell.
+        assert_eq!(r.rings(), 0);
+    }
+
+    /// A worker holding completions back for want of room (`CQ_WAITING`) is told by the
+    /// doorbell as the client takes completions and so makes room; while it holds none,
+    /// taking completions makes no system call.
+    #[test]
+    fn taking_completions_rings_the_doorbell_only_for_a_worker_holding_some_back() {
+        let mut r = rig(4, 4);
+        r.deliver(10);
+        r.deliver(11);
+        assert_eq!(r.client.poll().unwrap().map(|c| c.wr_id), Some(10));
+        assert_eq!(r.rings(), 0, "rung with nothing held back");
+        r.daemon
+            .store_u32(header::SQ_FLAGS, ring::CQ_WAITING)
+            .unwrap();
+        assert_eq!(r.client.poll().unwrap().map(|c| c.wr_id), Some(11));
+        assert_eq!(r.rings(), 1, "the worker holding completions was not told");
+        // An empty ring: nothing taken, no room made, nothing rung.
+        assert_eq!(r.client.poll().unwrap(), None);
+        assert!(!r.client.has_completion().unwrap());
+        assert_eq!(r.rings(), 0);
+        r.deliver(12);
+        assert_eq!(
+            r.client
+                .wait(Duration::from_secs(1))
+                .unwrap()
+                .map(|c| c.wr_id),
+            Some(12)
+        );
+        assert_eq!(r.rings(), 1);
+        r.daemon.store_u32(header::SQ_FLAGS, 0).unwrap();
+        r.deliver(13);
+        assert_eq!(r.client.poll().unwrap().map(|c| c.wr_id), Some(13));
+        assert_eq!(r.rings(), 0);
+    }
+}

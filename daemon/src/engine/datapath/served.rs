@@ -188,7 +188,7 @@ impl ServedQp {
             .unwrap_or(self.sq_head);
         if sq_tail != self.sq_head && self.can_consume() {
             let rights = self.record.rights.load();
-            busy |= self.consume(&rights);
+            busy |= self.consume(&rights, sq_tail);
         }
         if self.expects_completions() {
             busy |= self.reap();
@@ -244,16 +244,14 @@ impl ServedQp {
         });
     }
 
-    /// Consumes what the client submitted; returns whether there was anything.
-    fn consume(&mut self, rights: &RegionRights) -> bool {
+    /// Consumes what the client submitted up to `tail` (the submission tail as the worker
+    /// just loaded it); returns whether there was anything.
+    fn consume(&mut self, rights: &RegionRights, tail: u32) -> bool {
         if !self.can_consume() {
             return false;
         }
         let ring = Arc::clone(&self.record.ring);
         let layout = self.record.layout;
-        let Ok(tail) = ring.load_u32(header::SQ_TAIL) else {
-            return false;
-        };
         let pending = tail.wrapping_sub(self.sq_head);
         if pending == 0 {
             return false;

@@ -101,7 +101,9 @@ impl Commands {
     }
 
     fn take(&self) -> Vec<Command> {
-        if !self.pending.swap(false, Ordering::AcqRel) {
+        // A plain load first: the worker looks every pass, and a locked swap would make
+        // each look wait for the pass's stores to the rings to leave this CPU.
+        if !self.pending.load(Ordering::Acquire) || !self.pending.swap(false, Ordering::AcqRel) {
             return Vec::new();
         }
         std::mem::take(&mut *lock(&self.list))

@@ -262,7 +262,7 @@ fn drive(device: &Arc<Shared>, f: impl FnOnce(&mut Exec<'_>)) {
     let _exec = lock(&device.exec);
     let mut ex = Exec {
         device,
-        kicks: Vec::new(),
+        kicks: SmallVec::new(),
         peer: None,
     };
     f(&mut ex);
@@ -305,8 +305,9 @@ fn schedule(device: &Arc<Shared>, qp_num: u32, at: Instant) {
 /// The state of one run under the execution lock.
 struct Exec<'a> {
     device: &'a Arc<Shared>,
-    /// QPs to run after the current one (never run re-entrantly).
-    kicks: Vec<u32>,
+    /// QPs to run after the current one (never run re-entrantly); a turn kicks a few at
+    /// most, so they stay off the heap.
+    kicks: SmallVec<[u32; 8]>,
     /// The peer the running turn found ready, connected back to its QP (that QP's number
     /// first), and the rights it grants: the rest of the turn's requests go to it without
     /// looking again. Nothing but an error can change what a ready peer is and grants

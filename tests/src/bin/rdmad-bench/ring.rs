@@ -1,12 +1,13 @@
 //! `rdmad-bench ring`: the proxied data path against the device itself.
 //!
 //! ```text
-//! rdmad-bench ring [--iterations N] [--wait spin|block|both] [--idle-qps N] [--idle-sessions N]
+//! rdmad-bench ring [--iterations N] [--wait spin|block|both] [--batches 1,8,32] [--idle-qps N]
+//!                  [--idle-sessions N]
 //! ```
 //!
 //! One client and the daemon's worker on `loopback0`: 64 B RDMA WRITEs from one QP into a
-//! region exported through its peer QP (both in one session), in batches of 1, 8 and 32,
-//! every request signalled. For each batch size, in one run:
+//! region exported through its peer QP (both in one session), in batches of 1, 8 and 32
+//! (`--batches` picks others, up to 64), every request signalled. For each batch size, in one run:
 //!
 //! - **device**: the same requests posted by this process to its own instance of the
 //!   loopback provider (`post_send` of the whole batch, then `poll` until every completion
@@ -44,6 +45,8 @@ use zbus::zvariant::{OwnedObjectPath, Value};
 use crate::{machine, percentile, us, Result};
 
 const BATCHES: [u32; 3] = [1, 8, 32];
+/// The largest batch: the queues' depth.
+const MAX_BATCH: u32 = DEPTH;
 const LEN: u32 = 64;
 const DEPTH: u32 = 64;
 const WARMUP: u32 = 200;
@@ -53,8 +56,8 @@ const SPIN: Duration = Duration::from_millis(10);
 const TIMEOUT: Duration = Duration::from_secs(10);
 
 const USAGE: &str =
-    "usage: rdmad-bench ring [--iterations N] [--wait spin|block|both] [--idle-qps N] \
-     [--idle-sessions N]";
+    "usage: rdmad-bench ring [--iterations N] [--wait spin|block|both] [--batches 1,8,32] \
+     [--idle-qps N] [--idle-sessions N]";
 
 /// One worker, so that the idle QPs share it with the measured one.
 const CONFIG: &str = "[daemon]\nlog_level = \"warn\"\nworkers = 1\n\n[[pool]]\n\
@@ -71,6 +74,7 @@ enum Mode {
 struct Args {
     iterations: u32,
     modes: Vec<Mode>,
+    batches: Vec<u32>,
     idle_qps: u32,
     idle_sessions: u32,
 }
@@ -79,6 +83,7 @@ fn parse_args(mut it: impl Iterator<Item = String>) -> Result<Args> {
     let mut args = Args {
         iterations: 20_000,
         modes: vec![Mode::Spin, Mode::Block],
+        batches: BATCHES.to_vec(),
         idle_qps: 1000,
         idle_sessions: 1000,
     };
@@ -104,6 +109,19 @@ fn parse_args(mut it: impl Iterator<Item = String>) -> Result<Args> {
                     "both" => vec![Mode::Spin, Mode::Block],
                     other => return Err(format!("--wait: unknown mode {other:?}\n{USAGE}").into()),
                 }
+            }
+            "--batches" => {
+                let list = value("--batches")?;
+                args.batches = list
+                    .split(',')
+                    .map(|b| match b.trim().parse::<u32>() {
+                        Ok(n) if (1..=MAX_BATCH).contains(&n) => Ok(n),
+                        _ => Err(format!(
+                            "--batches: {b:?} is not a batch size from 1 to {MAX_BATCH} \
+                             (a comma-separated list, e.g. 1,8,32)\n{USAGE}"
+                        )),
+                    })
+                    .collect::<std::result::Result<_, _>>()?;
             }
             "--idle-qps" => {
                 let n: u32 = value("--idle-qps")?
@@ -498,7 +516,7 @@ pub async fn run(args: impl Iterator<Item = String>) -> Result<()> {
         rdmad: Vec<(Mode, Cell)>,
     }
     let mut rows = Vec::new();
-    for batch in BATCHES {
+    for &batch in &args.batches {
         let floor = floor.series(batch, args.iterations)?;
         let mut rdmad = Vec::new();
         for &mode in &args.modes {
