@@ -256,21 +256,24 @@ fn a_batch_is_published_at_once_and_no_more_than_fits() {
 }
 
 /// A device that takes only the first `take` requests of each batch (as one whose queue
-/// fills part-way does), or refuses receives as flushed (as rxe does on a QP in the error
-/// state), and completes what it took when its CQ is polled.
+/// fills part-way does), and completes what it took when its CQ is polled — unless it
+/// `holds` them. In the error state (`failed`) it refuses receives as flushed, as rxe does,
+/// and completes what it took flushed.
 #[derive(Debug)]
 struct TakesPrefix {
     take: usize,
-    flushes_recvs: bool,
+    failed: std::sync::atomic::AtomicBool,
+    holds: std::sync::atomic::AtomicBool,
     posted: std::sync::Mutex<Vec<(u64, crate::provider::WcOpcode)>>,
     event: std::os::fd::OwnedFd,
 }
 
 impl TakesPrefix {
-    fn new(take: usize, flushes_recvs: bool) -> Arc<TakesPrefix> {
+    fn new(take: usize, failed: bool) -> Arc<TakesPrefix> {
         Arc::new(TakesPrefix {
             take,
-            flushes_recvs,
+            failed: failed.into(),
+            holds: false.into(),
             posted: std::sync::Mutex::new(Vec::new()),
             event: std::fs::File::open("/dev/null").unwrap().into(),
         })
@@ -324,7 +327,7 @@ impl crate::provider::QueuePair for TakesPrefix {
         self.post(wrs.iter().map(|w| w.wr_id), crate::provider::WcOpcode::Send)
     }
     fn post_recv(&self, wrs: &[crate::provider::RecvWr]) -> Result<(), crate::provider::PostError> {
-        if self.flushes_recvs {
+        if self.failed.load(std::sync::atomic::Ordering::Relaxed) {
             return Err(crate::provider::PostError::none(
                 crate::provider::ProviderError::Flushed {
                     device: "prefix0".into(),
@@ -338,7 +341,8 @@ impl crate::provider::QueuePair for TakesPrefix {
     }
 }
 
-/// The CQ of a [`TakesPrefix`]: every request it took completes successfully.
+/// The CQ of a [`TakesPrefix`]: every request it took and does not hold completes,
+/// successfully or, once it failed, flushed.
 #[derive(Debug)]
 struct PrefixCq(Arc<TakesPrefix>);
 
@@ -348,6 +352,15 @@ impl crate::provider::CompletionQueue for PrefixCq {
         out: &mut Vec<crate::provider::WorkCompletion>,
         max: usize,
     ) -> crate::provider::Result<usize> {
+        use std::sync::atomic::Ordering::Relaxed;
+        if self.0.holds.load(Relaxed) {
+            return Ok(0);
+        }
+        let status = if self.0.failed.load(Relaxed) {
+            crate::provider::WcStatus::WrFlushError
+        } else {
+            crate::provider::WcStatus::Success
+        };
         let mut posted = self.0.posted.lock().unwrap();
         let n = posted.len().min(max);
         out.extend(
@@ -355,7 +368,7 @@ impl crate::provider::CompletionQueue for PrefixCq {
                 .drain(..n)
                 .map(|(wr_id, opcode)| crate::provider::WorkCompletion {
                     wr_id,
-                    status: crate::provider::WcStatus::Success,
+                    status,
                     opcode,
                     byte_len: 0,
                     imm: None,
@@ -436,9 +449,8 @@ fn on_region(opcode: Opcode, wr_id: u64) -> Submission {
 }
 
 /// Serves `record` until nothing moves; returns every completion its client then reads,
-/// sorted by wr_id (the order of delivery is not what these tests are about: refusals
-/// come back before the completions of requests staged ahead of them).
-fn serve_all(
+/// in the order they were delivered.
+fn serve_in_order(
     served: &mut super::served::ServedQp,
     ring: &mut QueuePairRing,
 ) -> Vec<(u64, Status, Opcode)> {
@@ -447,6 +459,16 @@ fn serve_all(
     while let Some(c) = ring.poll().unwrap() {
         got.push((c.wr_id, c.status, c.opcode));
     }
+    got
+}
+
+/// [`serve_in_order`], sorted by wr_id (where the order of delivery is not what a test is
+/// about: refusals come back before the completions of requests staged ahead of them).
+fn serve_all(
+    served: &mut super::served::ServedQp,
+    ring: &mut QueuePairRing,
+) -> Vec<(u64, Status, Opcode)> {
+    let mut got = serve_in_order(served, ring);
     got.sort_by_key(|c| c.0);
     got
 }
@@ -533,5 +555,53 @@ fn what_a_device_does_not_take_of_a_batch_comes_back_refused() {
     assert_eq!(
         [&c.posted, &c.completed, &c.failed, &c.refused].map(|n| n.load(Relaxed)),
         [0, 0, 4, 0]
+    );
+}
+
+/// Receives posted after the QP failed, which the device refuses as flushed, complete
+/// after the receives the device still holds from before, in the order all of them were
+/// posted: a client matching receives to incoming messages by order never sees a later
+/// receive finish first. Nothing stays pinned, and all four count as failed.
+#[test]
+fn receives_refused_as_flushed_complete_after_those_the_device_holds() {
+    use crate::engine::qp::QpId;
+    use std::sync::atomic::Ordering::Relaxed;
+    let (_engine, q) = loopback_qp();
+    let (rights, mr) = rights_and_region_1();
+    let unpinned = Arc::strong_count(&mr);
+    let device = TakesPrefix::new(8, false);
+    device.holds.store(true, Relaxed);
+    let record = record_on(&q, &device, rights);
+    let mut ring = ring_of(&record);
+    let mut served = super::served::ServedQp::new(QpId(u64::MAX), Arc::clone(&record));
+    let recvs = |ids: std::ops::Range<u64>| -> Vec<Submission> {
+        ids.map(|i| on_region(Opcode::Recv, i)).collect()
+    };
+    assert_eq!(ring.submit_all(&recvs(0..2)).unwrap(), 2);
+    assert_eq!(serve_in_order(&mut served, &mut ring), []);
+    // The QP fails; the device has not flushed the two it holds yet.
+    device.failed.store(true, Relaxed);
+    assert_eq!(ring.submit_all(&recvs(2..4)).unwrap(), 2);
+    assert_eq!(
+        serve_in_order(&mut served, &mut ring),
+        [],
+        "receives refused as flushed overtook the receives the device holds"
+    );
+    device.holds.store(false, Relaxed);
+    let flushed: Vec<_> = (0..4)
+        .map(|i| (i, Status::WrFlushError, Opcode::Recv))
+        .collect();
+    assert_eq!(serve_in_order(&mut served, &mut ring), flushed);
+    assert!(served.may_rest(), "requests left in flight");
+    assert!(!served.expects_completions());
+    assert_eq!(
+        Arc::strong_count(&mr),
+        unpinned,
+        "flushed receives pin the region"
+    );
+    let c = &record.counters;
+    assert_eq!(
+        [&c.posted, &c.completed, &c.failed, &c.refused].map(|n| n.load(Relaxed)),
+        [2, 0, 4, 0]
     );
 }
