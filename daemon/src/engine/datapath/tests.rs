@@ -423,6 +423,33 @@ fn record_on(
     })
 }
 
+/// A record on `device` (see [`record_on`]), its client's ring, and the worker's view of it,
+/// for a test to serve by hand.
+fn by_hand(
+    q: &QueuePairRecord,
+    device: &Arc<TakesPrefix>,
+    rights: Arc<super::rights::SessionRights>,
+) -> (Arc<QueuePairRecord>, QueuePairRing, super::served::ServedQp) {
+    let record = record_on(q, device, rights);
+    let ring = ring_of(&record);
+    let served =
+        super::served::ServedQp::new(crate::engine::qp::QpId(u64::MAX), Arc::clone(&record));
+    (record, ring, served)
+}
+
+/// The record's counters: posted, completed, failed, refused.
+fn counts(record: &QueuePairRecord) -> [u64; 4] {
+    let c = &record.counters;
+    [&c.posted, &c.completed, &c.failed, &c.refused]
+        .map(|n| n.load(std::sync::atomic::Ordering::Relaxed))
+}
+
+/// What a client reads back for receives `ids`, all flushed.
+fn flushed_recvs(ids: std::ops::Range<u64>) -> Vec<(u64, Status, Opcode)> {
+    ids.map(|i| (i, Status::WrFlushError, Opcode::Recv))
+        .collect()
+}
+
 /// A session's rights to validate's two test regions (1 writable, 2 read-only, 8 KiB each)
 /// and region 1's registration, whose reference count tells how many requests pin it.
 fn rights_and_region_1() -> (
@@ -495,16 +522,12 @@ fn outcomes(n: u64, taken: u64, opcode: impl Fn(u64) -> Opcode) -> Vec<(u64, Sta
 /// refuses as flushed complete `WrFlushError`.
 #[test]
 fn what_a_device_does_not_take_of_a_batch_comes_back_refused() {
-    use crate::engine::qp::QpId;
-    use std::sync::atomic::Ordering::Relaxed;
     let (_engine, q) = loopback_qp();
     let (rights, mr) = rights_and_region_1();
     // Held by the rights and by `mr`: every request adds one while it is in flight.
     let unpinned = Arc::strong_count(&mr);
     let device = TakesPrefix::new(3, false);
-    let record = record_on(&q, &device, Arc::clone(&rights));
-    let mut ring = ring_of(&record);
-    let mut served = super::served::ServedQp::new(QpId(u64::MAX), Arc::clone(&record));
+    let (record, mut ring, mut served) = by_hand(&q, &device, Arc::clone(&rights));
     for opcode in [Opcode::Send, Opcode::Recv] {
         let batch: Vec<Submission> = (0..5).map(|i| on_region(opcode, i)).collect();
         assert_eq!(ring.submit_all(&batch).unwrap(), 5);
@@ -530,32 +553,19 @@ fn what_a_device_does_not_take_of_a_batch_comes_back_refused() {
     assert_eq!(serve_all(&mut served, &mut ring), expected);
     assert!(served.may_rest(), "requests left in flight");
     assert_eq!(Arc::strong_count(&mr), unpinned, "the region stays pinned");
-    let c = &record.counters;
-    assert_eq!(
-        [&c.posted, &c.completed, &c.failed, &c.refused].map(|n| n.load(Relaxed)),
-        [12, 12, 0, 0]
-    );
+    assert_eq!(counts(&record), [12, 12, 0, 0]);
 
     let device = TakesPrefix::new(3, true);
-    let record = record_on(&q, &device, rights);
-    let mut ring = ring_of(&record);
-    let mut served = super::served::ServedQp::new(QpId(u64::MAX), Arc::clone(&record));
+    let (record, mut ring, mut served) = by_hand(&q, &device, rights);
     let batch: Vec<Submission> = (0..4).map(|i| on_region(Opcode::Recv, i)).collect();
     assert_eq!(ring.submit_all(&batch).unwrap(), 4);
-    let flushed: Vec<_> = (0..4)
-        .map(|i| (i, Status::WrFlushError, Opcode::Recv))
-        .collect();
-    assert_eq!(serve_all(&mut served, &mut ring), flushed);
+    assert_eq!(serve_all(&mut served, &mut ring), flushed_recvs(0..4));
     assert_eq!(
         Arc::strong_count(&mr),
         unpinned,
         "flushed receives pin the region"
     );
-    let c = &record.counters;
-    assert_eq!(
-        [&c.posted, &c.completed, &c.failed, &c.refused].map(|n| n.load(Relaxed)),
-        [0, 0, 4, 0]
-    );
+    assert_eq!(counts(&record), [0, 0, 4, 0]);
 }
 
 /// Receives posted after the QP failed, which the device refuses as flushed, complete
@@ -564,16 +574,13 @@ fn what_a_device_does_not_take_of_a_batch_comes_back_refused() {
 /// receive finish first. Nothing stays pinned, and all four count as failed.
 #[test]
 fn receives_refused_as_flushed_complete_after_those_the_device_holds() {
-    use crate::engine::qp::QpId;
     use std::sync::atomic::Ordering::Relaxed;
     let (_engine, q) = loopback_qp();
     let (rights, mr) = rights_and_region_1();
     let unpinned = Arc::strong_count(&mr);
     let device = TakesPrefix::new(8, false);
     device.holds.store(true, Relaxed);
-    let record = record_on(&q, &device, rights);
-    let mut ring = ring_of(&record);
-    let mut served = super::served::ServedQp::new(QpId(u64::MAX), Arc::clone(&record));
+    let (record, mut ring, mut served) = by_hand(&q, &device, rights);
     let recvs = |ids: std::ops::Range<u64>| -> Vec<Submission> {
         ids.map(|i| on_region(Opcode::Recv, i)).collect()
     };
@@ -588,10 +595,7 @@ fn receives_refused_as_flushed_complete_after_those_the_device_holds() {
         "receives refused as flushed overtook the receives the device holds"
     );
     device.holds.store(false, Relaxed);
-    let flushed: Vec<_> = (0..4)
-        .map(|i| (i, Status::WrFlushError, Opcode::Recv))
-        .collect();
-    assert_eq!(serve_in_order(&mut served, &mut ring), flushed);
+    assert_eq!(serve_in_order(&mut served, &mut ring), flushed_recvs(0..4));
     assert!(served.may_rest(), "requests left in flight");
     assert!(!served.expects_completions());
     assert_eq!(
@@ -599,9 +603,5 @@ fn receives_refused_as_flushed_complete_after_those_the_device_holds() {
         unpinned,
         "flushed receives pin the region"
     );
-    let c = &record.counters;
-    assert_eq!(
-        [&c.posted, &c.completed, &c.failed, &c.refused].map(|n| n.load(Relaxed)),
-        [2, 0, 4, 0]
-    );
+    assert_eq!(counts(&record), [2, 0, 4, 0]);
 }
