@@ -265,6 +265,7 @@ impl QueuePairRing {
         }
     }
 }
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -355,8 +356,8 @@ mod tests {
         )
     }
 
-    /// The client counts the room it has from the daemon's head as it last saw it, so a
-    /// full ring must still be refused, and the room the daemon frees must be used.
+    /// A full submission ring is refused, and the room the daemon frees by moving its head
+    /// is used, by `submit` and `submit_all` alike.
     #[test]
     fn the_submission_ring_takes_exactly_the_room_the_daemon_has_freed() {
         let mut r = rig(4, 4);
