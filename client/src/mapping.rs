@@ -357,10 +357,11 @@ impl Drop for RegionMapping {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
 
-    fn memfd(len: usize) -> OwnedFd {
+    /// An anonymous memfd of `len` bytes.
+    pub(crate) fn memfd(len: usize) -> OwnedFd {
         let fd = nix::sys::memfd::memfd_create(
             c"mapping-test",
             nix::sys::memfd::MemFdCreateFlag::empty(),

@@ -288,10 +288,7 @@ mod tests {
     fn rig(sq_entries: u32, cq_entries: u32) -> Rig {
         let layout = Layout::new(sq_entries, cq_entries).unwrap();
         let size = layout.size();
-        let fd =
-            nix::sys::memfd::memfd_create(c"ring-test", nix::sys::memfd::MemFdCreateFlag::empty())
-                .unwrap();
-        nix::unistd::ftruncate(&fd, size as i64).unwrap();
+        let fd = crate::mapping::tests::memfd(size);
         let daemon = RegionMapping::map(fd.try_clone().unwrap(), size, true).unwrap();
         for (offset, value) in layout.header_words() {
             daemon.store_u32(offset, value).unwrap();

@@ -7,7 +7,8 @@
 //!
 //! One client and the daemon's worker on `loopback0`: 64 B RDMA WRITEs from one QP into a
 //! region exported through its peer QP (both in one session), in batches of 1, 8 and 32
-//! (`--batches` picks others, up to 64), every request signalled. For each batch size, in one run:
+//! (`--batches` picks others, up to 64), every request signalled. For each batch size, in
+//! one run:
 //!
 //! - **device**: the same requests posted by this process to its own instance of the
 //!   loopback provider (`post_send` of the whole batch, then `poll` until every completion
