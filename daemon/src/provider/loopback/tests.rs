@@ -1245,3 +1245,64 @@ fn a_half_done_send_gives_its_receive_back() {
         assert_eq!(flushed, [(1, WcStatus::WrFlushError)], "{how}");
     }
 }
+
+/// Each kind of change to the key tables reaches the very next request, including a key a
+/// request has just failed to find, and a deregistered MR's memory is let go.
+#[test]
+fn every_key_change_reaches_the_next_request() {
+    let dev = LoopbackDevice::with_key_indices("lo-keys", 100, LAST_INDEX);
+    let opts = Opts::default();
+    let write = |from: &End, rkey: u32, addr: u64| -> WcStatus {
+        let op = SendOp::Write {
+            remote_addr: addr,
+            rkey,
+            imm: None,
+        };
+        from.post(1, op, vec![from.sge(0, 8)]).unwrap();
+        from.wait().status
+    };
+    // A requester and a responder in `pd` (a failed request leaves both in error).
+    let to = |pd: &Arc<dyn ProtectionDomain>| {
+        let requester = End::new(&dev, None, &opts);
+        let responder = End::new(&dev, Some(pd), &opts);
+        requester.connect(&responder.endpoint(), &opts);
+        responder.connect(&requester.endpoint(), &opts);
+        (requester, responder)
+    };
+
+    // An MR registered under the key a request has just failed to find.
+    let (a, b) = pair(&dev, &opts);
+    let next = make_key(102, 0, 0x9e);
+    assert_eq!(write(&a, next, 0x1000), WcStatus::RemoteAccessError);
+    let mem = Arc::new(SharedMemory::create(c"lo-keys", 4096).unwrap());
+    let mr =
+        b.pd.register(Arc::clone(&mem), Access::LOCAL_WRITE | Access::REMOTE_WRITE)
+            .unwrap();
+    assert_eq!(mr.rkey(), next, "the key the failed request named");
+    let (x, _y) = to(&b.pd);
+    let addr = mr.addr();
+    assert_eq!(write(&x, next, addr), WcStatus::Success);
+    // Deregistered: its key fails, and its memory is held by nothing.
+    drop(mr);
+    assert_eq!(write(&x, next, addr), WcStatus::RemoteAccessError);
+    assert_eq!(Arc::strong_count(&mem), 1, "the memory outlived its MR");
+
+    // A window a request found unbound, then bound: its new key works; invalidated: fails.
+    let (x, y) = to(&b.pd);
+    let mw = y.pd.alloc_mw(MwType::Type2).unwrap();
+    let (p, _q) = to(&b.pd);
+    assert_eq!(
+        write(&p, mw.rkey(), y.mr.addr()),
+        WcStatus::RemoteAccessError
+    );
+    assert_eq!(
+        y.bind(&mw, 0, 4096, Access::REMOTE_WRITE),
+        WcStatus::Success
+    );
+    let key = mw.rkey();
+    assert_eq!(write(&x, key, y.mr.addr()), WcStatus::Success);
+    y.post(7, SendOp::LocalInvalidate { rkey: key }, vec![])
+        .unwrap();
+    assert_eq!(y.wait().status, WcStatus::Success);
+    assert_eq!(write(&x, key, y.mr.addr()), WcStatus::RemoteAccessError);
+}
