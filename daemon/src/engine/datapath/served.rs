@@ -188,7 +188,8 @@ impl ServedQp {
             .unwrap_or(self.sq_head);
         if sq_tail != self.sq_head && self.can_consume() {
             let rights = self.record.rights.load();
-            busy |= self.consume(&rights, sq_tail);
+            self.consume(&rights, sq_tail);
+            busy = true;
         }
         if self.expects_completions() {
             busy |= self.reap();
@@ -245,17 +246,13 @@ impl ServedQp {
     }
 
     /// Consumes what the client submitted up to `tail` (the submission tail as the worker
-    /// just loaded it); returns whether there was anything.
-    fn consume(&mut self, rights: &RegionRights, tail: u32) -> bool {
-        if !self.can_consume() {
-            return false;
-        }
+    /// just loaded it, past the worker's head); only while the worker may take submissions
+    /// ([`ServedQp::can_consume`]).
+    fn consume(&mut self, rights: &RegionRights, tail: u32) {
+        debug_assert!(self.can_consume() && tail != self.sq_head);
         let ring = Arc::clone(&self.record.ring);
         let layout = self.record.layout;
         let pending = tail.wrapping_sub(self.sq_head);
-        if pending == 0 {
-            return false;
-        }
         if pending > layout.sq_entries {
             // An impossible tail: the client broke the protocol. Skip to it and say so once.
             tracing::warn!(
@@ -268,7 +265,7 @@ impl ServedQp {
             self.refuse(0, Opcode::Send, Status::InvalidEntry, 1);
             self.sq_head = tail;
             let _ = ring.store_u32(header::SQ_HEAD, self.sq_head);
-            return true;
+            return;
         }
         let mut scratch = std::mem::take(&mut self.scratch);
         let (sends, recvs, staged) = (&mut scratch.sends, &mut scratch.recvs, &mut scratch.staged);
@@ -408,7 +405,6 @@ impl ServedQp {
         sends.clear();
         recvs.clear();
         self.scratch = scratch;
-        true
     }
 
     /// Takes completions from the CQ (into those waiting for the ring); returns whether
