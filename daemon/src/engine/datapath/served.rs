@@ -245,9 +245,9 @@ impl ServedQp {
         });
     }
 
-    /// Consumes what the client submitted up to `tail` (the submission tail as the worker
-    /// just loaded it, past the worker's head); only while the worker may take submissions
-    /// ([`ServedQp::can_consume`]).
+    /// Takes up to [`TAKE_PER_PASS`] of what the client submitted up to `tail` (the
+    /// submission tail as the worker just loaded it). Called only when `tail` is past the
+    /// worker's head and [`ServedQp::can_consume`] holds (`serve` checks both).
     fn consume(&mut self, rights: &RegionRights, tail: u32) {
         debug_assert!(self.can_consume() && tail != self.sq_head);
         let ring = Arc::clone(&self.record.ring);

@@ -1269,8 +1269,14 @@ fn every_key_change_reaches_the_next_request() {
         responder.connect(&requester.endpoint(), &opts);
         (requester, responder)
     };
+    // The key a window gets when it is bound next (ibv_inc_rkey: the next variant byte).
+    let next_bind = |mw: &Arc<dyn MemoryWindow>| {
+        let k = mw.rkey();
+        (k & !0xff) | (k.wrapping_add(1) & 0xff)
+    };
 
-    // An MR registered under the key a request has just failed to find.
+    // An MR registered under the key a request has just failed to find: `pair` registers
+    // two MRs (indices 100 and 101), so the next one gets index 102.
     let (a, b) = pair(&dev, &opts);
     let next = make_key(102, 0, 0x9e);
     assert_eq!(write(&a, next, 0x1000), WcStatus::RemoteAccessError);
@@ -1282,27 +1288,39 @@ fn every_key_change_reaches_the_next_request() {
     let (x, _y) = to(&b.pd);
     let addr = mr.addr();
     assert_eq!(write(&x, next, addr), WcStatus::Success);
-    // Deregistered: its key fails, and its memory is held by nothing.
+    // Deregistered: its memory is held by nothing, and its key fails.
     drop(mr);
+    assert_eq!(Arc::strong_count(&mem), 1, "the memory outlived its MR");
     assert_eq!(write(&x, next, addr), WcStatus::RemoteAccessError);
     assert_eq!(Arc::strong_count(&mem), 1, "the memory outlived its MR");
 
-    // A window a request found unbound, then bound: its new key works; invalidated: fails.
+    // A window bound under the key a request has just failed to find: that key works;
+    // invalidated: it fails.
     let (x, y) = to(&b.pd);
     let mw = y.pd.alloc_mw(MwType::Type2).unwrap();
+    let key = next_bind(&mw);
     let (p, _q) = to(&b.pd);
+    assert_eq!(write(&p, key, y.mr.addr()), WcStatus::RemoteAccessError);
     assert_eq!(
-        write(&p, mw.rkey(), y.mr.addr()),
-        WcStatus::RemoteAccessError
+        y.bind(&mw, 0, 4096, Access::REMOTE_WRITE),
+        WcStatus::Success
     );
+    assert_eq!(mw.rkey(), key, "the key the failed request named");
+    assert_eq!(write(&x, key, y.mr.addr()), WcStatus::Success);
+    y.post(7, SendOp::LocalInvalidate { rkey: key }, vec![])
+        .unwrap();
+    assert_eq!(y.wait().status, WcStatus::Success);
+    assert_eq!(write(&x, key, y.mr.addr()), WcStatus::RemoteAccessError);
+
+    // A bound window deallocated: its key fails.
+    let (x, y) = to(&b.pd);
+    let mw = y.pd.alloc_mw(MwType::Type2).unwrap();
     assert_eq!(
         y.bind(&mw, 0, 4096, Access::REMOTE_WRITE),
         WcStatus::Success
     );
     let key = mw.rkey();
     assert_eq!(write(&x, key, y.mr.addr()), WcStatus::Success);
-    y.post(7, SendOp::LocalInvalidate { rkey: key }, vec![])
-        .unwrap();
-    assert_eq!(y.wait().status, WcStatus::Success);
+    drop(mw);
     assert_eq!(write(&x, key, y.mr.addr()), WcStatus::RemoteAccessError);
 }
