@@ -212,8 +212,17 @@ fn rts(opts: &Opts) -> RtsAttributes {
 }
 
 fn pair(dev: &LoopbackDevice, opts: &Opts) -> (End, End) {
+    pair_into(dev, None, opts)
+}
+
+/// Two connected ends, the second in `pd` (a PD of its own if `None`).
+fn pair_into(
+    dev: &LoopbackDevice,
+    pd: Option<&Arc<dyn ProtectionDomain>>,
+    opts: &Opts,
+) -> (End, End) {
     let a = End::new(dev, None, opts);
-    let b = End::new(dev, None, opts);
+    let b = End::new(dev, pd, opts);
     a.connect(&b.endpoint(), opts);
     b.connect(&a.endpoint(), opts);
     (a, b)
@@ -677,10 +686,7 @@ fn window_types_keys_and_bounds() {
     let opts = Opts::default();
     let (a, b) = pair(&dev, &opts);
     // A second QP in b's PD, connected to a third QP.
-    let c = End::new(&dev, None, &opts);
-    let b2 = End::new(&dev, Some(&b.pd), &opts);
-    b2.connect(&c.endpoint(), &opts);
-    c.connect(&b2.endpoint(), &opts);
+    let (c, b2) = pair_into(&dev, Some(&b.pd), &opts);
 
     let write = |from: &End, to: &End, rkey: u32, offset: u64, len: u32| -> WcStatus {
         from.post(
@@ -1262,13 +1268,7 @@ fn every_key_change_reaches_the_next_request() {
         from.wait().status
     };
     // A requester and a responder in `pd` (a failed request leaves both in error).
-    let to = |pd: &Arc<dyn ProtectionDomain>| {
-        let requester = End::new(&dev, None, &opts);
-        let responder = End::new(&dev, Some(pd), &opts);
-        requester.connect(&responder.endpoint(), &opts);
-        responder.connect(&requester.endpoint(), &opts);
-        (requester, responder)
-    };
+    let to = |pd: &Arc<dyn ProtectionDomain>| pair_into(&dev, Some(pd), &opts);
     // The key a window gets when it is bound next (ibv_inc_rkey: the next variant byte).
     let next_bind = |mw: &Arc<dyn MemoryWindow>| {
         let k = mw.rkey();
