@@ -428,6 +428,9 @@ impl ServedQp {
                 tracing::debug!(qp = %self.id, "after an error completion: {e}");
             }
         }
+        // Counted here and published once per poll: one shared write each, not one a
+        // request.
+        let (mut completed, mut failed) = (0u64, 0u64);
         for wc in wcs.drain(..) {
             let internal = if wc.wr_id & INTERNAL != 0 {
                 self.internal.remove(&wc.wr_id)
@@ -452,12 +455,11 @@ impl ServedQp {
                 self.sends -= 1;
             }
             let status = status_of(wc.status);
-            let counter = if status == Status::Success {
-                &self.record.counters.completed
+            if status == Status::Success {
+                completed += 1;
             } else {
-                &self.record.counters.failed
-            };
-            counter.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                failed += 1;
+            }
             if flight.signaled || status != Status::Success || flight.opcode == Opcode::Recv {
                 let opcode = match wc.opcode {
                     WcOpcode::Recv | WcOpcode::RecvRdmaWithImm => Opcode::Recv,
@@ -471,6 +473,12 @@ impl ServedQp {
                     imm: wc.imm,
                     detail: 0,
                 });
+            }
+        }
+        let counters = &self.record.counters;
+        for (counter, n) in [(&counters.completed, completed), (&counters.failed, failed)] {
+            if n > 0 {
+                counter.fetch_add(n, std::sync::atomic::Ordering::Relaxed);
             }
         }
         self.scratch.wcs = wcs;

@@ -321,6 +321,23 @@ impl VerbsQp {
 
 /// Links `wrs[i].next` to `wrs[i + 1]` and points each WR at its SGEs (`firsts[i]` is the
 /// index of its first SGE in `sges`). Neither vector may be resized afterwards.
+/// What a post builds for the provider (the WRs and their SGE lists), kept per thread and
+/// reused: a thread that posts again does not allocate (the data-path worker posts every
+/// batch from its own thread). Cleared at the start of each post; the pointers left in it
+/// between posts are never followed.
+#[derive(Default)]
+struct PostScratch {
+    sends: Vec<ibv_send_wr>,
+    recvs: Vec<ibv_recv_wr>,
+    sges: Vec<ibv_sge>,
+    /// Where each WR's SGEs start in `sges`.
+    firsts: Vec<usize>,
+}
+
+thread_local! {
+    static SCRATCH: std::cell::RefCell<PostScratch> = std::cell::RefCell::default();
+}
+
 macro_rules! link_chain {
     ($wrs:expr, $sges:expr, $firsts:expr) => {{
         let n = $wrs.len();
@@ -494,29 +511,39 @@ impl QueuePair for VerbsQp {
         if wrs.is_empty() {
             return Ok(());
         }
-        let mut sges: Vec<ibv_sge> = Vec::with_capacity(wrs.iter().map(|wr| wr.sges.len()).sum());
-        let mut firsts = Vec::with_capacity(wrs.len());
-        let mut raw_wrs: Vec<ibv_send_wr> = Vec::with_capacity(wrs.len());
+        // Windows this batch binds: rare, and `Vec::new` allocates nothing until a push.
         let mut binds = Vec::new();
-        for (index, wr) in wrs.iter().enumerate() {
-            raw_wrs.push(
-                self.raw_send_wr(wr, &mut binds, index)
-                    .map_err(PostError::none)?,
-            );
-            firsts.push(sges.len());
-            sges.extend(wr.sges.iter().map(raw_sge));
-        }
-        let head = link_chain!(raw_wrs, sges, firsts);
-        let mut bad: *mut ibv_send_wr = ptr::null_mut();
-        // SAFETY: a live QP; `head` is a NULL-terminated chain of fully initialised WRs whose
-        // SGE lists, windows and regions stay alive for the call (the provider copies WRs
-        // into its queue before returning).
-        let rc = unsafe { ibv_post_send(self.qp.as_ptr(), head, &mut bad) };
-        let posted = if rc == 0 {
-            wrs.len()
-        } else {
-            posted_before(head, bad, wrs.len())
-        };
+        let (rc, posted) = SCRATCH.with_borrow_mut(|scratch| {
+            let PostScratch {
+                sends: raw_wrs,
+                sges,
+                firsts,
+                ..
+            } = scratch;
+            raw_wrs.clear();
+            sges.clear();
+            firsts.clear();
+            for (index, wr) in wrs.iter().enumerate() {
+                raw_wrs.push(
+                    self.raw_send_wr(wr, &mut binds, index)
+                        .map_err(PostError::none)?,
+                );
+                firsts.push(sges.len());
+                sges.extend(wr.sges.iter().map(raw_sge));
+            }
+            let head = link_chain!(raw_wrs, sges, firsts);
+            let mut bad: *mut ibv_send_wr = ptr::null_mut();
+            // SAFETY: a live QP; `head` is a NULL-terminated chain of fully initialised WRs
+            // whose SGE lists, windows and regions stay alive for the call (the provider
+            // copies WRs into its queue before returning).
+            let rc = unsafe { ibv_post_send(self.qp.as_ptr(), head, &mut bad) };
+            let posted = if rc == 0 {
+                wrs.len()
+            } else {
+                posted_before(head, bad, wrs.len())
+            };
+            Ok((rc, posted))
+        })?;
         for &(index, mw, rkey) in &binds {
             if index < posted {
                 mw.rkey.store(rkey, Ordering::Release);
@@ -551,30 +578,43 @@ impl QueuePair for VerbsQp {
                 device: self.name().to_owned(),
             }));
         }
-        let mut sges: Vec<ibv_sge> = Vec::with_capacity(wrs.iter().map(|wr| wr.sges.len()).sum());
-        let mut firsts = Vec::with_capacity(wrs.len());
-        let mut raw_wrs: Vec<ibv_recv_wr> = Vec::with_capacity(wrs.len());
-        for wr in wrs {
-            raw_wrs.push(ibv_recv_wr {
-                wr_id: wr.wr_id,
-                next: ptr::null_mut(),
-                sg_list: ptr::null_mut(),
-                num_sge: c_int::try_from(wr.sges.len()).map_err(|_| {
-                    PostError::none(
-                        self.invalid(format!("{} SGEs in one work request", wr.sges.len())),
-                    )
-                })?,
-            });
-            firsts.push(sges.len());
-            sges.extend(wr.sges.iter().map(raw_sge));
-        }
-        let head = link_chain!(raw_wrs, sges, firsts);
-        let mut bad: *mut ibv_recv_wr = ptr::null_mut();
-        // SAFETY: a live QP; `head` is a NULL-terminated chain of initialised WRs whose SGE
-        // lists stay alive for the call (the provider copies them).
-        let rc = unsafe { ibv_post_recv(self.qp.as_ptr(), head, &mut bad) };
+        let (rc, posted) = SCRATCH.with_borrow_mut(|scratch| {
+            let PostScratch {
+                recvs: raw_wrs,
+                sges,
+                firsts,
+                ..
+            } = scratch;
+            raw_wrs.clear();
+            sges.clear();
+            firsts.clear();
+            for wr in wrs {
+                raw_wrs.push(ibv_recv_wr {
+                    wr_id: wr.wr_id,
+                    next: ptr::null_mut(),
+                    sg_list: ptr::null_mut(),
+                    num_sge: c_int::try_from(wr.sges.len()).map_err(|_| {
+                        PostError::none(
+                            self.invalid(format!("{} SGEs in one work request", wr.sges.len())),
+                        )
+                    })?,
+                });
+                firsts.push(sges.len());
+                sges.extend(wr.sges.iter().map(raw_sge));
+            }
+            let head = link_chain!(raw_wrs, sges, firsts);
+            let mut bad: *mut ibv_recv_wr = ptr::null_mut();
+            // SAFETY: a live QP; `head` is a NULL-terminated chain of initialised WRs whose
+            // SGE lists stay alive for the call (the provider copies them).
+            let rc = unsafe { ibv_post_recv(self.qp.as_ptr(), head, &mut bad) };
+            let posted = if rc == 0 {
+                wrs.len()
+            } else {
+                posted_before(head, bad, wrs.len())
+            };
+            Ok((rc, posted))
+        })?;
         if rc != 0 {
-            let posted = posted_before(head, bad, wrs.len());
             tracing::debug!(
                 "{}: ibv_post_recv on QP {} posted {posted} of {} work requests",
                 self.name(),
