@@ -5,7 +5,9 @@
 //! # Design
 //!
 //! - **Keys.** One table maps MR keys (lkey = rkey) to registrations; another maps memory
-//!   window table indices to the window's current binding. Both kinds of key are
+//!   window table indices to the window's current binding; both live under one lock
+//!   ([`Shared::keys`]), so a remote access resolves its rkey — a window's, then the MR
+//!   under it — in one critical section. Both kinds of key are
 //!   `index << 8 | variant byte`, drawn from one 24-bit index space ([`KeyIndices`]), so
 //!   they never collide: an index is never handed out while an object with that index
 //!   lives, and one handed out again after a full turn of the counter gets another variant
@@ -132,10 +134,8 @@ struct Binding {
 struct Shared {
     name: String,
     counters: Arc<Counters>,
-    /// lkey (= rkey) → registration: what the device checks a work request against.
-    translations: Mutex<FxHashMap<u32, Registration>>,
-    /// Window table index (`rkey >> 8`) → window.
-    windows: Mutex<FxHashMap<u32, WindowEntry>>,
+    /// What the device checks a work request's keys against (a leaf lock).
+    keys: Mutex<KeyTables>,
     /// qp_num → QP; strong references are only taken from it while holding `exec`.
     qps: Mutex<FxHashMap<u32, Weak<qp::QpInner>>>,
     /// The execution lock (see the module documentation).
@@ -147,6 +147,15 @@ struct Shared {
     lingering: Mutex<Vec<LingeringMr>>,
     next_qpn: AtomicU32,
     next_id: AtomicU64,
+}
+
+/// The device's key tables.
+#[derive(Debug, Default)]
+struct KeyTables {
+    /// lkey (= rkey) → registration.
+    translations: FxHashMap<u32, Registration>,
+    /// Window table index (`rkey >> 8`) → window.
+    windows: FxHashMap<u32, WindowEntry>,
 }
 
 /// The highest key-table index: keys carry 24 bits of index above a variant byte.
@@ -230,13 +239,18 @@ impl Shared {
     /// registration, which then stays in the translation table — and the window's key
     /// keeps working.
     fn deregister(&self, key: u32) -> Result<()> {
-        let bound = lock(&self.windows)
-            .values()
-            .any(|w| w.binding.as_ref().is_some_and(|b| b.mr_key == key));
-        if bound {
-            return Err(os_error(&self.name, "ibv_dereg_mr", libc::EINVAL));
-        }
-        let removed = lock(&self.translations).remove(&key);
+        let removed = {
+            let mut keys = lock(&self.keys);
+            let bound = keys
+                .windows
+                .values()
+                .any(|w| w.binding.as_ref().is_some_and(|b| b.mr_key == key));
+            if bound {
+                return Err(os_error(&self.name, "ibv_dereg_mr", libc::EINVAL));
+            }
+            keys.translations.remove(&key)
+        };
+        // The memory is let go of outside the lock.
         drop(removed);
         self.free_index(key >> 8);
         Ok(())
@@ -247,7 +261,7 @@ impl Shared {
     }
 
     fn registration(&self, key: u32) -> Option<Registration> {
-        lock(&self.translations).get(&key).cloned()
+        lock(&self.keys).translations.get(&key).cloned()
     }
 
     fn gids(&self) -> Vec<GidEntry> {
@@ -296,8 +310,7 @@ impl LoopbackDevice {
             shared: Arc::new(Shared {
                 name: name.to_owned(),
                 counters: Arc::default(),
-                translations: Mutex::default(),
-                windows: Mutex::default(),
+                keys: Mutex::default(),
                 qps: Mutex::default(),
                 exec: Mutex::default(),
                 indices: Mutex::new(indices),
@@ -497,7 +510,7 @@ impl ProtectionDomain for LoopbackPd {
             pd: self.0.id,
             memory: Arc::clone(&memory),
         };
-        lock(&device.translations).insert(key, registration);
+        lock(&device.keys).translations.insert(key, registration);
         Ok(Arc::new(LoopbackMr {
             key,
             access,
@@ -517,7 +530,7 @@ impl ProtectionDomain for LoopbackPd {
         // rxe: `(index << 8) | rxe_get_next_key(-1)`; type 1 starts VALID with length 0,
         // type 2 starts FREE — either way no access until bound.
         let rkey = make_key(index, turn, 0x3b);
-        lock(&device.windows).insert(
+        lock(&device.keys).windows.insert(
             index,
             WindowEntry {
                 kind,
@@ -626,7 +639,8 @@ impl MemoryWindow for LoopbackMw {
     }
 
     fn rkey(&self) -> u32 {
-        lock(&self.pd.device.windows)
+        lock(&self.pd.device.keys)
+            .windows
             .get(&self.index)
             .map_or(0, |entry| entry.rkey)
     }
@@ -639,7 +653,7 @@ impl MemoryWindow for LoopbackMw {
 impl Drop for LoopbackMw {
     fn drop(&mut self) {
         // Deallocation invalidates: the rkey stops resolving at once.
-        lock(&self.pd.device.windows).remove(&self.index);
+        lock(&self.pd.device.keys).windows.remove(&self.index);
         self.pd.device.free_index(self.index);
     }
 }

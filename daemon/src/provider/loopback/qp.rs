@@ -1059,8 +1059,8 @@ impl Exec<'_> {
         if len > 0 && !reg.contains(addr, len) {
             return failed;
         }
-        let mut windows = lock(&self.device.windows);
-        let Some(entry) = windows.get_mut(&mw.index) else {
+        let mut keys = lock(&self.device.keys);
+        let Some(entry) = keys.windows.get_mut(&mw.index) else {
             return failed;
         };
         match entry.kind {
@@ -1084,8 +1084,8 @@ impl Exec<'_> {
     }
 
     fn invalidate(&mut self, qp: &QpInner, rkey: u32) -> Step {
-        let mut windows = lock(&self.device.windows);
-        match windows.get_mut(&(rkey >> 8)) {
+        let mut keys = lock(&self.device.keys);
+        match keys.windows.get_mut(&(rkey >> 8)) {
             // o10-37.2.26: type-1 windows cannot be invalidated. rxe checks neither the PD
             // nor that this is the QP the window was bound through; the PD is checked here
             // so a QP can never revoke another PD's window. The rkey stays; the next bind
@@ -1113,12 +1113,14 @@ fn resolve_remote(
     needed: Access,
 ) -> Option<Piece> {
     let pd = responder.pd.id;
-    if let Some(reg) = device.registration(rkey) {
+    // One critical section: the rkey, and a window's MR, as the tables are now.
+    let keys = lock(&device.keys);
+    if let Some(reg) = keys.translations.get(&rkey) {
         let ok = reg.pd == pd && reg.access.contains(needed) && reg.contains(addr, len);
-        return ok.then(|| reg.into_piece(addr, len));
+        return ok.then(|| reg.piece(addr, len));
     }
-    let entry = lock(&device.windows).get(&(rkey >> 8)).cloned()?;
-    let binding = entry.binding?;
+    let entry = keys.windows.get(&(rkey >> 8))?;
+    let binding = entry.binding.as_ref()?;
     let usable = entry.rkey == rkey
         && entry.pd == pd
         && binding.qp.is_none_or(|bound| bound == responder.id)
@@ -1127,8 +1129,8 @@ fn resolve_remote(
     if !usable {
         return None;
     }
-    let reg = device.registration(binding.mr_key)?;
-    reg.contains(addr, len).then(|| reg.into_piece(addr, len))
+    let reg = keys.translations.get(&binding.mr_key)?;
+    reg.contains(addr, len).then(|| reg.piece(addr, len))
 }
 
 /// Where an RDMA operation points in the responder's memory.
@@ -1195,10 +1197,10 @@ type Pieces = SmallVec<[Piece; 4]>;
 
 impl Registration {
     /// `[addr, addr + len)`, inside this registration, as a piece of its memory.
-    fn into_piece(self, addr: u64, len: u64) -> Piece {
+    fn piece(&self, addr: u64, len: u64) -> Piece {
         Piece {
             at: self.memory_offset(addr),
-            memory: self.memory,
+            memory: Arc::clone(&self.memory),
             len: len as usize,
         }
     }
@@ -1236,14 +1238,17 @@ fn locate(
 ) -> std::result::Result<Pieces, Unlocated> {
     let mut found = Pieces::new();
     let mut total = 0;
+    let keys = lock(&device.keys);
     for (lkey, addr, n) in pieces(sges, offset, len) {
-        let reg = device
-            .registration(lkey)
+        let reg = keys
+            .translations
+            .get(&lkey)
             .filter(|reg| reg.pd == pd && reg.access.contains(needed) && reg.contains(addr, n))
             .ok_or(Unlocated::Protection)?;
-        found.push(reg.into_piece(addr, n));
+        found.push(reg.piece(addr, n));
         total += n;
     }
+    drop(keys);
     if total != len {
         return Err(Unlocated::Length);
     }
@@ -1566,7 +1571,8 @@ impl Drop for LoopbackQp {
     fn drop(&mut self) {
         let device = Arc::clone(&self.inner.pd.device);
         let id = self.inner.id;
-        let still_bound = lock(&device.windows)
+        let still_bound = lock(&device.keys)
+            .windows
             .values()
             .filter(|w| w.binding.as_ref().is_some_and(|b| b.qp == Some(id)))
             .count();
