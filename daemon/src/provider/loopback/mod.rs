@@ -12,9 +12,10 @@
 //!   they never collide: an index is never handed out while an object with that index
 //!   lives, and one handed out again after a full turn of the counter gets another variant
 //!   byte, so a stale key does not reach the new object.
-//! - **Data path.** Work requests run synchronously: `post_send` appends to the send queue
-//!   and then runs the queue as far as it can under the device's *execution lock*
-//!   ([`Shared::exec`]). Everything that consumes a queue or produces a completion (running a
+//! - **Data path.** Work requests run synchronously, under the device's *execution lock*
+//!   ([`Shared::exec`]): `post_send` runs each request that finds the send queue empty
+//!   straight from the caller's list (queuing it only if it does not finish), queues the
+//!   others and runs the queue as far as one turn goes. Everything that consumes a queue or produces a completion (running a
 //!   send queue, the responder side, flushing) happens under that one lock, so completions
 //!   are ordered per QP and two QPs talking to each other cannot deadlock. A SEND that finds
 //!   no receive waits at the head of its send queue (RNR) and is retried when the peer posts

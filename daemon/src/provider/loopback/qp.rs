@@ -63,7 +63,7 @@ pub(super) const MAX_MESSAGE: u64 = 1 << 31;
 pub(super) const TURN_BYTES: u64 = 64 << 10;
 
 /// What a request costs a turn at the least, so a flood of tiny requests is bounded too.
-const REQUEST_COST: u64 = 512;
+pub(super) const REQUEST_COST: u64 = 512;
 
 const QPN_MASK: u32 = 0x00ff_ffff;
 const FIRST_QPN: u32 = 0x11;
@@ -245,6 +245,18 @@ fn opcode(op: &SendOp) -> WcOpcode {
     }
 }
 
+/// The completion of `wr`, done on `qp` with `byte_len` bytes, if it asked for one.
+fn completion(qp: &QpInner, wr: &SendWr, byte_len: u32) -> Option<WorkCompletion> {
+    wr.signaled.then(|| WorkCompletion {
+        wr_id: wr.wr_id,
+        status: WcStatus::Success,
+        opcode: opcode(&wr.op),
+        byte_len,
+        imm: None,
+        qp_num: qp.qp_num,
+    })
+}
+
 /// `min_rnr_timer` encodings (IB table 45), in microseconds.
 const RNR_TIMER_US: [u64; 32] = [
     655_360, 10, 20, 30, 40, 60, 80, 120, 160, 240, 320, 480, 640, 960, 1_280, 1_920, 2_560, 3_840,
@@ -368,32 +380,30 @@ impl Exec<'_> {
             let step = self.execute(qp, &head.wr, &mut head.progress, &mut budget);
             budget = budget.saturating_sub(REQUEST_COST.min(budget));
             match step {
-                Step::Done(byte_len) => {
-                    done = head.wr.signaled.then(|| WorkCompletion {
-                        wr_id: head.wr.wr_id,
-                        status: WcStatus::Success,
-                        opcode: opcode(&head.wr.op),
-                        byte_len,
-                        imm: None,
-                        qp_num: qp.qp_num,
-                    });
-                }
-                Step::Partial => {
-                    // The head goes back holding what it took (a receive), whatever comes
-                    // next.
-                    if self.put_back(qp, head) {
-                        qp.send_cq.continue_later(qp.qp_num);
-                    }
+                Step::Done(byte_len) => done = completion(qp, &head.wr, byte_len),
+                step => {
+                    self.settle(qp, head, step);
                     return;
                 }
-                Step::Failed(status) => {
-                    self.fail_head(qp, head, status);
-                    return;
+            }
+        }
+    }
+
+    /// What becomes of a head that ran and is not done: it goes back to the front holding
+    /// what it took (a receive) for its next turn, fails, or waits for its peer.
+    fn settle(&mut self, qp: &Arc<QpInner>, head: Pending, step: Step) {
+        match step {
+            Step::Partial => {
+                if self.put_back(qp, head) {
+                    qp.send_cq.continue_later(qp.qp_num);
                 }
-                Step::Blocked(wait, per_try) => {
-                    self.blocked(qp, head, wait, per_try);
-                    return;
-                }
+            }
+            Step::Failed(status) => self.fail_head(qp, head, status),
+            Step::Blocked(wait, per_try) => self.blocked(qp, head, wait, per_try),
+            Step::Done(_) => {
+                // Callers complete a done head themselves; it only gives its place up.
+                debug_assert!(false, "settle called with a done request");
+                lock(&qp.data).head_out = false;
             }
         }
     }
@@ -606,8 +616,9 @@ impl Exec<'_> {
         }
     }
 
-    /// Runs `wr` (the head of `qp`'s send queue) as far as `budget` bytes go, from
-    /// `progress` on, and takes what it moved from `budget`.
+    /// Runs `wr` (the head of `qp`'s send queue, or a request `post_send` runs in the head's
+    /// place) as far as `budget` bytes go, from `progress` on, and takes what it moved from
+    /// `budget`.
     fn execute(
         &mut self,
         qp: &Arc<QpInner>,
@@ -1386,6 +1397,52 @@ impl LoopbackQp {
         Ok(())
     }
 
+    /// Queues what is left of a call's requests (`of` in all, `posted` of them taken so far,
+    /// on top of the `held` the queue held when the call came), in order; the error of the
+    /// first the queue does not take.
+    fn queue_rest(
+        &self,
+        data: &mut QpData,
+        rest: &mut std::slice::Iter<'_, SendWr>,
+        held: usize,
+        posted: &mut usize,
+        of: usize,
+    ) -> Option<ProviderError> {
+        for wr in rest {
+            if let Err(error) = self.admit(wr, held + *posted, *posted, of) {
+                return Some(error);
+            }
+            *posted += 1;
+            data.sq.push_back(Pending {
+                wr: wr.clone(),
+                waiting: None,
+                progress: Progress::default(),
+            });
+        }
+        None
+    }
+
+    /// Whether the send queue takes `wr` (the `posted`-th of `of` in its call) with `queued`
+    /// requests ahead of it: a bind and inline data the device supports, and room.
+    fn admit(
+        &self,
+        wr: &SendWr,
+        queued: usize,
+        posted: usize,
+        of: usize,
+    ) -> std::result::Result<(), ProviderError> {
+        if let Err(message) = self.check_bind(wr).and_then(|()| self.check_inline(wr)) {
+            return Err(self.invalid(format!(
+                "work request {:#x}: {message} ({posted} of {of} posted)",
+                wr.wr_id
+            )));
+        }
+        match self.refuse(&SEND_QUEUE, wr.wr_id, wr.sges.len(), queued, (posted, of)) {
+            Some(error) => Err(error),
+            None => Ok(()),
+        }
+    }
+
     fn kick_self_and(&self, peer: Option<u32>) {
         let inner = Arc::clone(&self.inner);
         drive(&self.inner.pd.device, |ex| {
@@ -1487,46 +1544,100 @@ impl QueuePair for LoopbackQp {
         Ok(())
     }
 
+    /// Takes `wrs` in order and runs them in this turn. Every request of the call counts
+    /// against the send queue's depth as if the call had queued them all before running any
+    /// (as a device does, which sees the list only when it is rung). A request that finds the
+    /// queue empty (nothing ahead of it, the head not out), the QP ready and the turn's budget
+    /// not spent runs straight from `wrs`, in the head's place; if it is left part-done or
+    /// waiting for its peer it is copied to the front of the queue, if it fails it completes
+    /// with its error, and either way the requests after it join the queue first, so an error
+    /// flushes them as it would have. The other requests are queued, and the queue runs as
+    /// after every post.
     fn post_send(&self, wrs: &[SendWr]) -> Result<(), PostError> {
+        let inner = &self.inner;
         let mut posted = 0;
         let mut refused = None;
-        {
-            let mut data = lock(&self.inner.data);
+        let mut not_ready = None;
+        drive(&inner.pd.device, |ex| {
+            let mut data = lock(&inner.data);
             if !matches!(data.state, QpState::Rts | QpState::Error) {
                 // rxe: EINVAL before the send queue is ready. An ERROR QP accepts work and
                 // flushes it.
-                return Err(PostError::none(self.invalid(format!(
-                    "post_send in state {:?}: sends need RTS",
-                    data.state
-                ))));
+                not_ready = Some(data.state);
+                return;
             }
-            for wr in wrs {
-                if let Err(message) = self.check_bind(wr).and_then(|()| self.check_inline(wr)) {
-                    refused = Some(self.invalid(format!(
-                        "work request {:#x}: {message} ({posted} of {} posted)",
-                        wr.wr_id,
-                        wrs.len()
-                    )));
+            // What the queue held when the call came: each request admitted counts on top.
+            let held = data.sq.len() + usize::from(data.head_out);
+            let mut budget = TURN_BYTES;
+            let mut ran = false;
+            let mut spent = false;
+            let mut rest = wrs.iter();
+            loop {
+                let free = data.state == QpState::Rts && data.sq.is_empty() && !data.head_out;
+                if !free || budget == 0 {
+                    spent = free;
+                    refused = self.queue_rest(&mut data, &mut rest, held, &mut posted, wrs.len());
                     break;
                 }
-                let queued = data.sq.len() + usize::from(data.head_out);
-                let asked = (posted, wrs.len());
-                if let Some(error) =
-                    self.refuse(&SEND_QUEUE, wr.wr_id, wr.sges.len(), queued, asked)
-                {
+                let Some(wr) = rest.next() else { break };
+                if let Err(error) = self.admit(wr, held + posted, posted, wrs.len()) {
                     refused = Some(error);
                     break;
                 }
-                data.sq.push_back(Pending {
-                    wr: wr.clone(),
-                    waiting: None,
-                    progress: Progress::default(),
-                });
                 posted += 1;
+                ran = true;
+                data.head_out = true;
+                drop(data);
+                let mut progress = Progress::default();
+                let step = ex.execute(inner, wr, &mut progress, &mut budget);
+                budget = budget.saturating_sub(REQUEST_COST.min(budget));
+                data = lock(&inner.data);
+                if let Step::Done(byte_len) = step {
+                    // Its completion in the critical section that gives its place up, as
+                    // `Exec::run` does.
+                    data.head_out = false;
+                    let Some(wc) = completion(inner, wr, byte_len) else {
+                        continue;
+                    };
+                    if inner.send_cq.push(wc) {
+                        continue;
+                    }
+                    refused = self.queue_rest(&mut data, &mut rest, held, &mut posted, wrs.len());
+                    drop(data);
+                    ex.error(inner);
+                } else {
+                    refused = self.queue_rest(&mut data, &mut rest, held, &mut posted, wrs.len());
+                    drop(data);
+                    let head = Pending {
+                        wr: wr.clone(),
+                        waiting: None,
+                        progress,
+                    };
+                    ex.settle(inner, head, step);
+                }
+                data = lock(&inner.data);
+                break;
             }
-        }
-        if posted > 0 {
-            self.kick_self_and(None);
+            let (queued, in_error) = (!data.sq.is_empty(), data.state == QpState::Error);
+            drop(data);
+            if !queued || posted == 0 {
+                // Nothing new to run (a call the queue took nothing of does not run it).
+                return;
+            }
+            if !ran || in_error {
+                // As after every post: the queue runs (an ERROR QP's is flushed).
+                ex.run(inner);
+            } else if spent {
+                // The turn is spent: the next poll of the send CQ runs the rest.
+                inner.send_cq.continue_later(inner.qp_num);
+            }
+            // Otherwise a request that ran here and did not finish is back at the head
+            // with the rest behind it, and `settle` has arranged what comes next.
+        });
+        if let Some(state) = not_ready {
+            return Err(PostError::none(
+                self.invalid(format!("post_send in state {state:?}: sends need RTS")),
+            ));
         }
         refused.map_or(Ok(()), |error| Err(PostError { posted, error }))
     }

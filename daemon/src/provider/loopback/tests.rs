@@ -589,6 +589,41 @@ fn queue_depths_are_enforced() {
     assert!(is_enomem(c.recv(3, vec![])));
 }
 
+/// Requests that would complete at once count against the send queue's depth all the
+/// same: a call is checked whole, as a device sees the list only when it is rung — with a
+/// depth of two, the third WRITE of one call is refused, and only the first two run.
+#[test]
+fn a_call_is_held_to_the_queue_depth_as_a_whole() {
+    let dev = LoopbackDevice::new("lo-depth-whole");
+    let opts = Opts {
+        depth: 2,
+        mr_access: Access::LOCAL_WRITE | Access::REMOTE_WRITE,
+        ..Opts::default()
+    };
+    let (a, b) = pair(&dev, &opts);
+    let writes: Vec<SendWr> = (0..3)
+        .map(|i| SendWr {
+            wr_id: i,
+            op: SendOp::Write {
+                remote_addr: b.mr.addr() + i * 8,
+                rkey: b.mr.rkey(),
+                imm: None,
+            },
+            sges: smallvec::smallvec![a.sge(i * 8, 8)],
+            signaled: true,
+            inline: false,
+        })
+        .collect();
+    let refused = a.qp.post_send(&writes).unwrap_err();
+    assert_eq!(refused.posted, 2, "{refused}");
+    assert!(is_enomem::<()>(Err(refused.error)));
+    let done: Vec<_> = a.polled().iter().map(|w| (w.wr_id, w.status)).collect();
+    assert_eq!(done, [(0, WcStatus::Success), (1, WcStatus::Success)]);
+    // Once they completed, a call of two fits again.
+    a.qp.post_send(&writes[..2]).unwrap();
+    assert_eq!(a.polled().len(), 2);
+}
+
 #[test]
 fn send_larger_than_receive_is_a_length_error() {
     let dev = LoopbackDevice::new("lo-len");
@@ -1323,4 +1358,52 @@ fn every_key_change_reaches_the_next_request() {
     assert_eq!(write(&x, key, y.mr.addr()), WcStatus::Success);
     drop(mw);
     assert_eq!(write(&x, key, y.mr.addr()), WcStatus::RemoteAccessError);
+}
+
+/// One post of many tiny requests runs at most a turn's worth of them (each costs a turn at
+/// least `REQUEST_COST`) and leaves the rest for the next poll of the send CQ, which
+/// completes them all, in order: a QP posting a flood holds the device no longer than a
+/// turn, whether its requests run from the post or from the queue.
+#[test]
+fn a_flood_in_one_post_runs_a_turn_at_a_time() {
+    use super::qp::{REQUEST_COST, TURN_BYTES};
+    let dev = LoopbackDevice::new("lo-flood");
+    let opts = Opts {
+        depth: 512,
+        cq_depth: 1024,
+        mr_access: Access::LOCAL_WRITE | Access::REMOTE_WRITE,
+        ..Opts::default()
+    };
+    let (a, b) = pair(&dev, &opts);
+    let write = |wr_id: u64| SendWr {
+        wr_id,
+        op: SendOp::Write {
+            remote_addr: b.mr.addr() + wr_id * 8,
+            rkey: b.mr.rkey(),
+            imm: None,
+        },
+        sges: smallvec::smallvec![a.sge(wr_id * 8, 8)],
+        signaled: true,
+        inline: false,
+    };
+    let per_turn = TURN_BYTES.div_ceil(REQUEST_COST + 8);
+    let turn: Vec<SendWr> = (0..per_turn).map(write).collect();
+    a.qp.post_send(&turn).unwrap();
+    assert!(!a.cq.needs_polling(), "a turn's worth runs in the post");
+    assert_eq!(a.polled().len() as u64, per_turn);
+    let flood: Vec<SendWr> = (0..400).map(write).collect();
+    a.qp.post_send(&flood).unwrap();
+    assert!(
+        a.cq.needs_polling(),
+        "the rest of a flood waits for the next poll"
+    );
+    let done: Vec<(u64, WcStatus)> = std::iter::from_fn(|| Some(a.polled()))
+        .take_while(|polled| !polled.is_empty())
+        .flatten()
+        .map(|wc| (wc.wr_id, wc.status))
+        .collect();
+    assert_eq!(
+        done,
+        (0..400).map(|i| (i, WcStatus::Success)).collect::<Vec<_>>()
+    );
 }
