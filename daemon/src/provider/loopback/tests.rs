@@ -589,6 +589,22 @@ fn queue_depths_are_enforced() {
     assert!(is_enomem(c.recv(3, vec![])));
 }
 
+/// A signaled WRITE `i` of the 8 bytes at `8 i` of `a`'s memory to the same place in `b`'s
+/// (whose registration must grant remote write).
+fn write_slot(a: &End, b: &End, i: u64) -> SendWr {
+    SendWr {
+        wr_id: i,
+        op: SendOp::Write {
+            remote_addr: b.mr.addr() + i * 8,
+            rkey: b.mr.rkey(),
+            imm: None,
+        },
+        sges: smallvec::smallvec![a.sge(i * 8, 8)],
+        signaled: true,
+        inline: false,
+    }
+}
+
 /// Requests that would complete at once count against the send queue's depth all the
 /// same: a call is checked whole, as a device sees the list only when it is rung — with a
 /// depth of two, the third WRITE of one call is refused, and only the first two run.
@@ -601,19 +617,7 @@ fn a_call_is_held_to_the_queue_depth_as_a_whole() {
         ..Opts::default()
     };
     let (a, b) = pair(&dev, &opts);
-    let writes: Vec<SendWr> = (0..3)
-        .map(|i| SendWr {
-            wr_id: i,
-            op: SendOp::Write {
-                remote_addr: b.mr.addr() + i * 8,
-                rkey: b.mr.rkey(),
-                imm: None,
-            },
-            sges: smallvec::smallvec![a.sge(i * 8, 8)],
-            signaled: true,
-            inline: false,
-        })
-        .collect();
+    let writes: Vec<SendWr> = (0..3).map(|i| write_slot(&a, &b, i)).collect();
     let refused = a.qp.post_send(&writes).unwrap_err();
     assert_eq!(refused.posted, 2, "{refused}");
     assert!(is_enomem::<()>(Err(refused.error)));
@@ -1375,17 +1379,7 @@ fn a_flood_in_one_post_runs_a_turn_at_a_time() {
         ..Opts::default()
     };
     let (a, b) = pair(&dev, &opts);
-    let write = |wr_id: u64| SendWr {
-        wr_id,
-        op: SendOp::Write {
-            remote_addr: b.mr.addr() + wr_id * 8,
-            rkey: b.mr.rkey(),
-            imm: None,
-        },
-        sges: smallvec::smallvec![a.sge(wr_id * 8, 8)],
-        signaled: true,
-        inline: false,
-    };
+    let write = |wr_id| write_slot(&a, &b, wr_id);
     let per_turn = TURN_BYTES.div_ceil(REQUEST_COST + 8);
     let turn: Vec<SendWr> = (0..per_turn).map(write).collect();
     a.qp.post_send(&turn).unwrap();
