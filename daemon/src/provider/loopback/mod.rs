@@ -15,9 +15,10 @@
 //! - **Data path.** Work requests run synchronously, under the device's *execution lock*
 //!   ([`Shared::exec`]): `post_send` runs each request that finds the send queue empty
 //!   straight from the caller's list (queuing it only if it does not finish), queues the
-//!   others and runs the queue as far as one turn goes. Everything that consumes a queue or produces a completion (running a
-//!   send queue, the responder side, flushing) happens under that one lock, so completions
-//!   are ordered per QP and two QPs talking to each other cannot deadlock. A SEND that finds
+//!   others and runs the queue as far as one turn goes. Everything that consumes a queue or
+//!   produces a completion (running a send queue, the responder side, flushing) happens
+//!   under that one lock, so completions are ordered per QP and two QPs talking to each
+//!   other cannot deadlock. A SEND that finds
 //!   no receive waits at the head of its send queue (RNR) and is retried when the peer posts
 //!   a receive, changes state or goes away; finite `rnr_retry` counts are honoured with a
 //!   short-lived timer thread.
