@@ -18,10 +18,9 @@
 //!   others and runs the queue as far as one turn goes. Everything that consumes a queue or
 //!   produces a completion (running a send queue, the responder side, flushing) happens
 //!   under that one lock, so completions are ordered per QP and two QPs talking to each
-//!   other cannot deadlock. A SEND that finds
-//!   no receive waits at the head of its send queue (RNR) and is retried when the peer posts
-//!   a receive, changes state or goes away; finite `rnr_retry` counts are honoured with a
-//!   short-lived timer thread.
+//!   other cannot deadlock. A SEND that finds no receive waits at the head of its send
+//!   queue (RNR) and is retried when the peer posts a receive, changes state or goes away;
+//!   finite `rnr_retry` counts are honoured with a short-lived timer thread.
 //! - **Lock order.** `exec` → one QP's `data` at a time → leaf locks (key tables, QP table,
 //!   CQ queues). A QP lock is never held while taking `exec` or another QP's lock. Temporary
 //!   strong references to other QPs are only taken (from the QP table) while holding `exec`,
