@@ -628,77 +628,32 @@ fn receives_refused_as_flushed_complete_after_those_the_device_holds() {
 /// once its buffers have grown to a batch — and every write still lands and completes.
 #[test]
 fn a_steady_stream_of_writes_allocates_nothing() {
+    use crate::provider::loopback::tests::{pair, Opts};
     use crate::provider::loopback::LoopbackDevice;
-    use crate::provider::{Access, Device, QpInit, RemoteEndpoint, RtrAttributes, RtsAttributes};
+    use crate::provider::Access;
     let (_engine, q) = loopback_qp();
     let dev = LoopbackDevice::new("lo-steady");
-    let pd = dev.alloc_pd().unwrap();
-    let end = || {
-        let cq = pd.create_cq(256).unwrap();
-        let qp = pd
-            .create_qp(QpInit {
-                send_cq: Arc::clone(&cq),
-                recv_cq: Arc::clone(&cq),
-                max_send_wr: 128,
-                max_recv_wr: 128,
-                max_send_sge: 4,
-                max_recv_sge: 4,
-                max_inline_data: 0,
-            })
-            .unwrap();
-        (qp, cq)
+    let opts = Opts {
+        depth: 128,
+        cq_depth: 256,
+        mr_access: Access::LOCAL_WRITE | Access::REMOTE_WRITE,
+        ..Opts::default()
     };
-    let ((qp_a, cq_a), (qp_b, _cq_b)) = (end(), end());
-    let endpoint = |qp: &Arc<dyn crate::provider::QueuePair>| RemoteEndpoint {
-        gid: std::net::Ipv4Addr::LOCALHOST.to_ipv6_mapped(),
-        qp_num: qp.qp_num(),
-        psn: 0,
-        lid: 0,
-    };
-    for (qp, peer) in [(&qp_a, &qp_b), (&qp_b, &qp_a)] {
-        qp.to_init(1, Access::REMOTE_WRITE).unwrap();
-        qp.to_rtr(
-            &endpoint(peer),
-            &RtrAttributes {
-                port: 1,
-                sgid_index: 1,
-                path_mtu: 4096,
-                max_dest_rd_atomic: 1,
-                min_rnr_timer: 1,
-            },
-        )
-        .unwrap();
-        qp.to_rts(&RtsAttributes {
-            psn: 0,
-            timeout: 14,
-            retry_cnt: 7,
-            rnr_retry: 7,
-            max_rd_atomic: 1,
-        })
-        .unwrap();
-    }
-    let memory = |name| Arc::new(crate::memory::SharedMemory::create(name, 8192).unwrap());
-    let source = pd
-        .register(memory(c"steady-a"), Access::LOCAL_WRITE)
-        .unwrap();
-    let target = pd
-        .register(
-            memory(c"steady-b"),
-            Access::LOCAL_WRITE | Access::REMOTE_WRITE,
-        )
-        .unwrap();
+    // `a` posts; its region is the session's region 1; the writes land in `b`'s.
+    let (a, b) = pair(&dev, &opts);
+    let (source, target) = (&a.mr, &b.mr);
     let mut region = super::validate::RegionRights::default();
     region.insert(
         crate::engine::RegionId(1),
         super::validate::RegionRight {
-            mr: Arc::clone(&source),
+            mr: Arc::clone(source),
             writable: true,
             in_domains: Vec::new(),
         },
     );
     let rights = Arc::new(super::rights::SessionRights::default());
     rights.store(region);
-    let record = record_with(&q, qp_a, cq_a, rights);
+    let record = record_with(&q, Arc::clone(&a.qp), Arc::clone(&a.cq), rights);
     let mut ring = ring_of(&record);
     let mut served =
         super::served::ServedQp::new(crate::engine::qp::QpId(u64::MAX), Arc::clone(&record));

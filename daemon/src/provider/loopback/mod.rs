@@ -34,7 +34,7 @@
 mod cq;
 mod qp;
 #[cfg(test)]
-mod tests;
+pub(crate) mod tests;
 
 use std::collections::HashSet;
 use std::net::Ipv6Addr;

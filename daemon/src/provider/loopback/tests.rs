@@ -49,26 +49,27 @@ const ALL_REMOTE: Access = Access::REMOTE_WRITE
     .union(Access::REMOTE_READ)
     .union(Access::REMOTE_ATOMIC);
 
-/// One QP with its CQ and a registered buffer. Field order is drop order.
-struct End {
-    qp: Arc<dyn QueuePair>,
-    cq: Arc<dyn CompletionQueue>,
-    mr: Arc<dyn MemoryRegion>,
+/// One QP with its CQ and a registered buffer. Field order is drop order. (The data path's
+/// tests use these ends too.)
+pub(crate) struct End {
+    pub(crate) qp: Arc<dyn QueuePair>,
+    pub(crate) cq: Arc<dyn CompletionQueue>,
+    pub(crate) mr: Arc<dyn MemoryRegion>,
     pd: Arc<dyn ProtectionDomain>,
 }
 
-struct Opts {
-    depth: u32,
-    cq_depth: u32,
-    mr_access: Access,
-    qp_access: Access,
-    rnr_retry: u8,
-    timeout: u8,
-    retry_cnt: u8,
+pub(crate) struct Opts {
+    pub(crate) depth: u32,
+    pub(crate) cq_depth: u32,
+    pub(crate) mr_access: Access,
+    pub(crate) qp_access: Access,
+    pub(crate) rnr_retry: u8,
+    pub(crate) timeout: u8,
+    pub(crate) retry_cnt: u8,
     /// Bytes of each end's registered memory.
-    mem: usize,
+    pub(crate) mem: usize,
     /// Each QP's `max_inline_data`.
-    inline: u32,
+    pub(crate) inline: u32,
 }
 
 impl Default for Opts {
@@ -211,7 +212,7 @@ fn rts(opts: &Opts) -> RtsAttributes {
     }
 }
 
-fn pair(dev: &LoopbackDevice, opts: &Opts) -> (End, End) {
+pub(crate) fn pair(dev: &LoopbackDevice, opts: &Opts) -> (End, End) {
     pair_into(dev, None, opts)
 }
 
