@@ -319,8 +319,6 @@ impl VerbsQp {
     }
 }
 
-/// Links `wrs[i].next` to `wrs[i + 1]` and points each WR at its SGEs (`firsts[i]` is the
-/// index of its first SGE in `sges`). Neither vector may be resized afterwards.
 /// What a post builds for the provider (the WRs and their SGE lists), kept per thread and
 /// reused: a thread that posts again does not allocate (the data-path worker posts every
 /// batch from its own thread). Cleared at the start of each post; the pointers left in it
@@ -334,10 +332,23 @@ struct PostScratch {
     firsts: Vec<usize>,
 }
 
+impl PostScratch {
+    /// Empty, for the next post.
+    fn cleared(&mut self) -> &mut PostScratch {
+        self.sends.clear();
+        self.recvs.clear();
+        self.sges.clear();
+        self.firsts.clear();
+        self
+    }
+}
+
 thread_local! {
     static SCRATCH: std::cell::RefCell<PostScratch> = std::cell::RefCell::default();
 }
 
+/// Links `wrs[i].next` to `wrs[i + 1]` and points each WR at its SGEs (`firsts[i]` is the
+/// index of its first SGE in `sges`). Neither vector may be resized afterwards.
 macro_rules! link_chain {
     ($wrs:expr, $sges:expr, $firsts:expr) => {{
         let n = $wrs.len();
@@ -365,8 +376,18 @@ macro_rules! link_chain {
     }};
 }
 
+/// How many of a chain's `len` WRs a post that returned `rc` took: all of them if it
+/// succeeded, else those before `bad`.
+fn posted<T>(rc: c_int, base: *const T, bad: *const T, len: usize) -> usize {
+    if rc == 0 {
+        len
+    } else {
+        posted_before(base, bad, len)
+    }
+}
+
 /// How many WRs of a chain starting at `base` were posted when the provider stopped at
-/// `bad` (all of them if `bad` is NULL or outside the chain).
+/// `bad` (none if `bad` is NULL, all of them if it lies outside the chain).
 fn posted_before<T>(base: *const T, bad: *const T, len: usize) -> usize {
     if bad.is_null() {
         return 0;
@@ -519,10 +540,7 @@ impl QueuePair for VerbsQp {
                 sges,
                 firsts,
                 ..
-            } = scratch;
-            raw_wrs.clear();
-            sges.clear();
-            firsts.clear();
+            } = scratch.cleared();
             for (index, wr) in wrs.iter().enumerate() {
                 raw_wrs.push(
                     self.raw_send_wr(wr, &mut binds, index)
@@ -537,12 +555,7 @@ impl QueuePair for VerbsQp {
             // whose SGE lists, windows and regions stay alive for the call (the provider
             // copies WRs into its queue before returning).
             let rc = unsafe { ibv_post_send(self.qp.as_ptr(), head, &mut bad) };
-            let posted = if rc == 0 {
-                wrs.len()
-            } else {
-                posted_before(head, bad, wrs.len())
-            };
-            Ok((rc, posted))
+            Ok((rc, posted(rc, head, bad, wrs.len())))
         })?;
         for &(index, mw, rkey) in &binds {
             if index < posted {
@@ -584,10 +597,7 @@ impl QueuePair for VerbsQp {
                 sges,
                 firsts,
                 ..
-            } = scratch;
-            raw_wrs.clear();
-            sges.clear();
-            firsts.clear();
+            } = scratch.cleared();
             for wr in wrs {
                 raw_wrs.push(ibv_recv_wr {
                     wr_id: wr.wr_id,
@@ -607,12 +617,7 @@ impl QueuePair for VerbsQp {
             // SAFETY: a live QP; `head` is a NULL-terminated chain of initialised WRs whose
             // SGE lists stay alive for the call (the provider copies them).
             let rc = unsafe { ibv_post_recv(self.qp.as_ptr(), head, &mut bad) };
-            let posted = if rc == 0 {
-                wrs.len()
-            } else {
-                posted_before(head, bad, wrs.len())
-            };
-            Ok((rc, posted))
+            Ok((rc, posted(rc, head, bad, wrs.len())))
         })?;
         if rc != 0 {
             tracing::debug!(
