@@ -1,14 +1,14 @@
 //! `rdmad-bench ring`: the proxied data path against the device itself.
 //!
 //! ```text
-//! rdmad-bench ring [--iterations N] [--wait spin|block|both] [--batches 1,8,32] [--idle-qps N]
-//!                  [--idle-sessions N]
+//! rdmad-bench ring [--iterations N] [--wait spin|block|both] [--batches 1,8,32] [--size BYTES]
+//!                  [--idle-qps N] [--idle-sessions N]
 //! ```
 //!
-//! One client and the daemon's worker on `loopback0`: 64 B RDMA WRITEs from one QP into a
-//! region exported through its peer QP (both in one session), in batches of 1, 8 and 32
-//! (`--batches` picks others, up to 64), every request signalled. For each batch size, in
-//! one run:
+//! One client and the daemon's worker on `loopback0`: 64 B RDMA WRITEs (`--size` picks
+//! another length, up to 1 MiB) from one QP into a region exported through its peer QP
+//! (both in one session), in batches of 1, 8 and 32 (`--batches` picks others, up to 64),
+//! every request signalled. For each batch size, in one run:
 //!
 //! - **device**: the same requests posted by this process to its own instance of the
 //!   loopback provider (`post_send` of the whole batch, then `poll` until every completion
@@ -20,7 +20,9 @@
 //!   completion is there.
 //!
 //! Each sample is one batch, from the first submission to the last completion. `--iterations`
-//! batches per cell (default 20,000), after 200 untimed ones.
+//! batches per cell (default 20,000), after 200 untimed ones. With `--size` above 64 B a
+//! second table gives each cell's bandwidth next to this process's own `memcpy` of the same
+//! length between two page-aligned buffers, measured just before that batch size's cells.
 //!
 //! Then the session creates `--idle-qps` more QPs (default 1,000; 0 skips this) on the same
 //! worker (the daemon runs one), never used, and the batch-1 cells run again: what idle
@@ -48,7 +50,10 @@ use crate::{machine, percentile, us, Result};
 const BATCHES: [u32; 3] = [1, 8, 32];
 /// The largest batch: the queues' depth.
 const MAX_BATCH: u32 = DEPTH;
+/// The default length of a write.
 const LEN: u32 = 64;
+/// The longest write `--size` allows.
+const MAX_LEN: u32 = 1 << 20;
 const DEPTH: u32 = 64;
 const WARMUP: u32 = 200;
 /// How long the spinning client spins before it sleeps (far more than any sample here).
@@ -58,12 +63,15 @@ const TIMEOUT: Duration = Duration::from_secs(10);
 
 const USAGE: &str =
     "usage: rdmad-bench ring [--iterations N] [--wait spin|block|both] [--batches 1,8,32] \
-     [--idle-qps N] [--idle-sessions N]";
+     [--size BYTES] [--idle-qps N] [--idle-sessions N]";
 
-/// One worker, so that the idle QPs share it with the measured one.
+/// One worker, so that the idle QPs share it with the measured one; room for two regions of
+/// the longest write.
 const CONFIG: &str = "[daemon]\nlog_level = \"warn\"\nworkers = 1\n\n[[pool]]\n\
-                      name = \"bench\"\ncapacity = \"1MiB\"\nsize_classes = [\"4KiB\"]\n\n\
-                      [quota.default]\nregistered_bytes = \"64KiB\"\nqps = 4096\nsessions = 4096\n";
+                      name = \"bench\"\ncapacity = \"4MiB\"\n\
+                      size_classes = [\"4KiB\", \"64KiB\", \"1MiB\"]\n\n\
+                      [quota.default]\nregistered_bytes = \"4MiB\"\nqps = 4096\n\
+                      sessions = 4096\n";
 const MAX_IDLE: u32 = 4000;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -76,6 +84,8 @@ struct Args {
     iterations: u32,
     modes: Vec<Mode>,
     batches: Vec<u32>,
+    /// The length of every write.
+    size: u32,
     idle_qps: u32,
     idle_sessions: u32,
 }
@@ -85,6 +95,7 @@ fn parse_args(mut it: impl Iterator<Item = String>) -> Result<Args> {
         iterations: 20_000,
         modes: vec![Mode::Spin, Mode::Block],
         batches: BATCHES.to_vec(),
+        size: LEN,
         idle_qps: 1000,
         idle_sessions: 1000,
     };
@@ -123,6 +134,18 @@ fn parse_args(mut it: impl Iterator<Item = String>) -> Result<Args> {
                         )),
                     })
                     .collect::<std::result::Result<_, _>>()?;
+            }
+            "--size" => {
+                let v = value("--size")?;
+                args.size = match v.parse::<u32>() {
+                    Ok(n) if (1..=MAX_LEN).contains(&n) => n,
+                    _ => {
+                        return Err(format!(
+                            "--size: {v:?} is not a length in bytes from 1 to {MAX_LEN}\n{USAGE}"
+                        )
+                        .into())
+                    }
+                };
             }
             "--idle-qps" => {
                 let n: u32 = value("--idle-qps")?
@@ -214,14 +237,24 @@ struct Floor {
     _peer_cq: Arc<dyn CompletionQueue>,
     src: Arc<dyn MemoryRegion>,
     dst: Arc<dyn MemoryRegion>,
+    len: u32,
+}
+
+/// The length of the regions that hold writes of `len` bytes: whole pages.
+fn region_len(len: u32) -> u64 {
+    u64::from(len).next_multiple_of(4096)
 }
 
 impl Floor {
-    fn new() -> Result<Floor> {
+    fn new(len: u32) -> Result<Floor> {
         let device = loopback::LoopbackDevice::new(loopback::DEFAULT_NAME);
         let pd = device.alloc_pd()?;
-        let memory =
-            |name| -> Result<Arc<SharedMemory>> { Ok(Arc::new(SharedMemory::create(name, 4096)?)) };
+        let memory = |name| -> Result<Arc<SharedMemory>> {
+            Ok(Arc::new(SharedMemory::create(
+                name,
+                region_len(len) as usize,
+            )?))
+        };
         let src = pd.register(memory(c"rdmad-bench-src")?, Access::LOCAL_WRITE)?;
         let dst = pd.register(
             memory(c"rdmad-bench-dst")?,
@@ -279,6 +312,7 @@ impl Floor {
             _peer_cq: peer_cq,
             src,
             dst,
+            len,
         })
     }
 
@@ -293,7 +327,7 @@ impl Floor {
                 },
                 sges: rdmad_client::smallvec::smallvec![Sge {
                     addr: self.src.addr(),
-                    length: LEN,
+                    length: self.len,
                     lkey: self.src.lkey(),
                 }],
                 signaled: true,
@@ -335,22 +369,23 @@ struct Proxied {
     src: u64,
     addr: u64,
     rkey: u32,
+    len: u32,
     // Held until the end: the daemon tears the session down when its connection goes.
     _connection: zbus::Connection,
 }
 
 impl Proxied {
-    async fn new(connection: zbus::Connection) -> Result<Proxied> {
+    async fn new(connection: zbus::Connection, len: u32) -> Result<Proxied> {
         let manager = ManagerProxy::new(&connection).await?;
         let session = SessionProxy::builder(&connection)
             .path(manager.open_session(Options::new()).await?)?
             .build()
             .await?;
         let (src_path, _src_fd, _) = session
-            .allocate_region("bench", 4096, Options::new())
+            .allocate_region("bench", region_len(len), Options::new())
             .await?;
         let (dst_path, _dst_fd, _) = session
-            .allocate_region("bench", 4096, Options::new())
+            .allocate_region("bench", region_len(len), Options::new())
             .await?;
         let mut rings = Vec::new();
         let mut qps = Vec::new();
@@ -397,6 +432,7 @@ impl Proxied {
             src: object_id(src_path.as_str()).ok_or("the region's path has no id")?,
             addr,
             rkey,
+            len,
             _connection: connection,
         })
     }
@@ -451,7 +487,7 @@ impl Proxied {
                 RegionSge {
                     region: self.src,
                     offset: 0,
-                    length: LEN,
+                    length: self.len,
                 },
             )
         };
@@ -491,9 +527,9 @@ pub async fn run(args: impl Iterator<Item = String>) -> Result<()> {
     let command = std::env::args().collect::<Vec<_>>().join(" ");
     println!("# rdmad-bench ring");
     println!(
-        "{LEN} B RDMA WRITEs on loopback0, every one signalled; {} batches per cell after \
+        "{} B RDMA WRITEs on loopback0, every one signalled; {} batches per cell after \
          {WARMUP} untimed",
-        args.iterations
+        args.size, args.iterations
     );
     println!("command: {command}");
     println!("machine: {}", machine());
@@ -508,16 +544,22 @@ pub async fn run(args: impl Iterator<Item = String>) -> Result<()> {
         },
     )
     .await;
-    let mut proxied = Proxied::new(bus.connect().await).await?;
-    let floor = Floor::new()?;
+    let mut proxied = Proxied::new(bus.connect().await, args.size).await?;
+    let floor = Floor::new(args.size)?;
+    let copies = (args.size > LEN).then(|| Copies::new(args.size));
 
     struct Row {
         batch: u32,
         floor: Cell,
         rdmad: Vec<(Mode, Cell)>,
+        /// This process's memcpy of the same length just before, bytes per second.
+        memcpy: Option<f64>,
     }
     let mut rows = Vec::new();
     for &batch in &args.batches {
+        let memcpy = copies
+            .as_ref()
+            .map(|c| c.rate(u64::from(batch) * u64::from(args.iterations)));
         let floor = floor.series(batch, args.iterations)?;
         let mut rdmad = Vec::new();
         for &mode in &args.modes {
@@ -527,6 +569,7 @@ pub async fn run(args: impl Iterator<Item = String>) -> Result<()> {
             batch,
             floor,
             rdmad,
+            memcpy,
         });
     }
     let mut with_idle = Vec::new();
@@ -589,6 +632,42 @@ pub async fn run(args: impl Iterator<Item = String>) -> Result<()> {
         }
         println!("{line}");
     }
+    if copies.is_some() {
+        println!();
+        println!(
+            "Bandwidth, GB/s (÷ this process's memcpy of {} B between page-aligned buffers, \
+             measured before the batch size's cells):",
+            args.size
+        );
+        println!();
+        let mut head = String::from("| batch | memcpy | device |");
+        let mut rule = String::from("|---:|---:|---:|");
+        for mode in &args.modes {
+            head.push_str(&format!(" rdmad {} |", mode_name(*mode)));
+            rule.push_str("---:|");
+        }
+        println!("{head}");
+        println!("{rule}");
+        for row in &rows {
+            let memcpy = row.memcpy.unwrap_or(f64::NAN);
+            let gbs = |cell: &Cell| cell.mwrs() * 1e6 * f64::from(args.size);
+            let mut line = format!(
+                "| {} | {:.1} | {:.1} ({:.2}) |",
+                row.batch,
+                memcpy / 1e9,
+                gbs(&row.floor) / 1e9,
+                gbs(&row.floor) / memcpy
+            );
+            for (_, cell) in &row.rdmad {
+                line.push_str(&format!(
+                    " {:.1} ({:.2}) |",
+                    gbs(cell) / 1e9,
+                    gbs(cell) / memcpy
+                ));
+            }
+            println!("{line}");
+        }
+    }
     if !with_idle.is_empty() {
         println!();
         println!(
@@ -635,6 +714,45 @@ pub async fn run(args: impl Iterator<Item = String>) -> Result<()> {
         );
     }
     Ok(())
+}
+
+/// The raw alternative to a long write: this process copying the same length between two
+/// page-aligned buffers of its own (page-aligned as regions are: see `bandwidth`'s note on
+/// the CPU's string copy and addresses just past a page).
+struct Copies {
+    from: Vec<u8>,
+    to: Vec<u8>,
+    len: usize,
+}
+
+impl Copies {
+    const PAGE: usize = 4096;
+
+    fn new(len: u32) -> Copies {
+        let len = len as usize;
+        Copies {
+            from: vec![1; len + Self::PAGE],
+            to: vec![0; len + Self::PAGE],
+            len,
+        }
+    }
+
+    /// Bytes per second over `n` copies.
+    fn rate(&self, n: u64) -> f64 {
+        let mut to = self.to.clone();
+        let (from_at, to_at) = (
+            self.from.as_ptr().align_offset(Self::PAGE),
+            to.as_ptr().align_offset(Self::PAGE),
+        );
+        let from = &self.from[from_at..from_at + self.len];
+        let to = &mut to[to_at..to_at + self.len];
+        let start = Instant::now();
+        for _ in 0..n {
+            to.copy_from_slice(std::hint::black_box(from));
+            std::hint::black_box(&mut *to);
+        }
+        (n * self.len as u64) as f64 / start.elapsed().as_secs_f64()
+    }
 }
 
 /// How long the idle daemon's CPU time is measured.
