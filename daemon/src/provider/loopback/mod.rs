@@ -11,7 +11,9 @@
 //!   `index << 8 | variant byte`, drawn from one 24-bit index space ([`KeyIndices`]), so
 //!   they never collide: an index is never handed out while an object with that index
 //!   lives, and one handed out again after a full turn of the counter gets another variant
-//!   byte, so a stale key does not reach the new object.
+//!   byte, so a stale key does not reach the new object. A chunk of a WRITE or READ
+//!   resolves its keys on both sides and moves its bytes inside one critical section of
+//!   the tables: the memory is borrowed from them, not reference-counted.
 //! - **Data path.** Work requests run synchronously, under the device's *execution lock*
 //!   ([`Shared::exec`]): `post_send` runs each request that finds the send queue empty
 //!   straight from the caller's list (queuing it only if it does not finish), queues the
@@ -81,8 +83,9 @@ struct Registration {
     access: Access,
     /// The PD it was registered in ([`PdInner::id`]).
     pd: u64,
-    /// Kept here so a transfer racing a deregistration still copies into mapped memory
-    /// (as DMA racing `ibv_dereg_mr` would).
+    /// The registration's own reference: a transfer borrows it inside the key tables'
+    /// critical section, so a deregistration waits for the chunk being copied (as
+    /// `ibv_dereg_mr` returns once no DMA uses the MR any more).
     memory: Arc<SharedMemory>,
 }
 

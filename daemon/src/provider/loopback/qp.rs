@@ -35,8 +35,8 @@ use std::time::{Duration, Instant};
 
 use super::cq::{CqInner, LoopbackCq};
 use super::{
-    check_port, os_error, range_inside, Binding, LoopbackMr, LoopbackMw, PdInner, Registration,
-    Shared, MAX_INLINE_DATA, MAX_QP, MAX_QP_RD_ATOM, MAX_QP_WR, MAX_SGE, PORT_MTU,
+    check_port, os_error, range_inside, Binding, KeyTables, LoopbackMr, LoopbackMw, PdInner,
+    Registration, Shared, MAX_INLINE_DATA, MAX_QP, MAX_QP_RD_ATOM, MAX_QP_WR, MAX_SGE, PORT_MTU,
 };
 use crate::lock::lock;
 use crate::memory::{CopyError, SharedMemory};
@@ -276,6 +276,7 @@ fn drive(device: &Arc<Shared>, f: impl FnOnce(&mut Exec<'_>)) {
         device,
         kicks: SmallVec::new(),
         peer: None,
+        errors: 0,
     };
     f(&mut ex);
     // Each kick either finds nothing to do or completes/flushes work, so this ends; the
@@ -326,6 +327,9 @@ struct Exec<'a> {
     /// (`to_init` and `to_rtr` refuse a QP past RTR, and errors and destruction take the
     /// execution lock), so the answer holds until [`Exec::error`] forgets it.
     peer: Option<(u32, Arc<QpInner>, Access)>,
+    /// How many times QPs went to the error state under this hold of the execution lock
+    /// ([`Exec::error`]): a peer handed out before one is not kept ([`Exec::with_peer`]).
+    errors: u64,
 }
 
 impl Exec<'_> {
@@ -496,6 +500,7 @@ impl Exec<'_> {
     /// Moves `qp` to the error state and flushes it; its peer may be waiting on it.
     fn error(&mut self, qp: &Arc<QpInner>) {
         self.peer = None;
+        self.errors += 1;
         let peer = {
             let mut data = lock(&qp.data);
             let was = std::mem::replace(&mut data.state, QpState::Error);
@@ -566,11 +571,16 @@ impl Exec<'_> {
     }
 
     /// The connected peer and the remote rights its QP grants (read with its state), or how
-    /// long one transport retry waits if it does not answer.
+    /// long one transport retry waits if it does not answer. The turn's answer for `qp`, if
+    /// it has one, is handed over rather than shared: [`Exec::with_peer`] keeps it again.
     fn peer(&mut self, qp: &QpInner) -> std::result::Result<(Arc<QpInner>, Access), Step> {
-        if let Some((requester, peer, access)) = &self.peer {
-            if *requester == qp.qp_num {
-                return Ok((Arc::clone(peer), *access));
+        if self
+            .peer
+            .as_ref()
+            .is_some_and(|(requester, ..)| *requester == qp.qp_num)
+        {
+            if let Some((_, peer, access)) = self.peer.take() {
+                return Ok((peer, access));
             }
         }
         let (remote, timeout) = {
@@ -600,8 +610,28 @@ impl Exec<'_> {
             }
             data.access
         };
-        self.peer = Some((qp.qp_num, Arc::clone(&peer), access));
         Ok((peer, access))
+    }
+
+    /// Runs `op` with `qp`'s peer and the rights it grants ([`Exec::peer`]), then keeps the
+    /// answer for the turn's next request, unless `op` moved a QP to the error state (see
+    /// [`Exec::peer`]'s field). Handing the one reference over, instead of cloning it for
+    /// each request, spares a request two atomic updates of its count.
+    fn with_peer(
+        &mut self,
+        qp: &QpInner,
+        op: impl FnOnce(&mut Self, &Arc<QpInner>, Access) -> Step,
+    ) -> Step {
+        let (peer, access) = match self.peer(qp) {
+            Ok(found) => found,
+            Err(step) => return step,
+        };
+        let errors = self.errors;
+        let step = op(self, &peer, access);
+        if self.errors == errors {
+            self.peer = Some((qp.qp_num, peer, access));
+        }
+        step
     }
 
     /// Takes the responder's next receive, or says how long the RNR timer is.
@@ -626,6 +656,8 @@ impl Exec<'_> {
         progress: &mut Progress,
         budget: &mut u64,
     ) -> Step {
+        // A message longer than the port allows fails before its peer is looked for.
+        let too_long = wr.message_len() > MAX_MESSAGE;
         match &wr.op {
             SendOp::BindMw {
                 mw,
@@ -635,26 +667,37 @@ impl Exec<'_> {
                 access,
             } => self.bind(qp, mw.as_ref(), mr.as_ref(), *addr, *len, *access),
             SendOp::LocalInvalidate { rkey } => self.invalidate(qp, *rkey),
-            SendOp::Send { imm } => self.send(qp, wr, *imm, progress, budget),
+            SendOp::Send { .. } | SendOp::Write { .. } | SendOp::Read { .. } if too_long => {
+                Step::Failed(WcStatus::LocalLengthError)
+            }
+            SendOp::Send { imm } => self.with_peer(qp, |ex, peer, _| {
+                ex.send(qp, peer, wr, *imm, progress, budget)
+            }),
             SendOp::Write {
                 remote_addr,
                 rkey,
                 imm,
             } => {
                 let remote = Remote::new(*remote_addr, *rkey);
-                self.write(qp, wr, remote, *imm, progress, budget)
+                self.with_peer(qp, |ex, peer, allowed| {
+                    ex.write(qp, (peer, allowed), wr, remote, *imm, progress, budget)
+                })
             }
             SendOp::Read { remote_addr, rkey } => {
                 let remote = Remote::new(*remote_addr, *rkey);
-                self.read(qp, wr, remote, progress, budget)
+                self.with_peer(qp, |ex, peer, allowed| {
+                    ex.read(qp, (peer, allowed), wr, remote, progress, budget)
+                })
             }
             SendOp::FetchAdd {
                 remote_addr,
                 rkey,
                 add,
             } => {
-                let add = *add;
-                self.atomic(qp, wr, *remote_addr, *rkey, |old| old.wrapping_add(add))
+                let (remote, add) = (Remote::new(*remote_addr, *rkey), *add);
+                self.with_peer(qp, |ex, peer, allowed| {
+                    ex.atomic(qp, (peer, allowed), wr, remote, |old| old.wrapping_add(add))
+                })
             }
             SendOp::CompareSwap {
                 remote_addr,
@@ -662,117 +705,112 @@ impl Exec<'_> {
                 compare,
                 swap,
             } => {
-                let (compare, swap) = (*compare, *swap);
-                self.atomic(qp, wr, *remote_addr, *rkey, |old| {
-                    if old == compare {
-                        swap
-                    } else {
-                        old
-                    }
+                let (remote, compare, swap) = (Remote::new(*remote_addr, *rkey), *compare, *swap);
+                self.with_peer(qp, |ex, peer, allowed| {
+                    ex.atomic(qp, (peer, allowed), wr, remote, |old| {
+                        if old == compare {
+                            swap
+                        } else {
+                            old
+                        }
+                    })
                 })
             }
         }
     }
 
     /// A SEND: the first chunk checks the gather list, takes the responder's receive and
-    /// checks it holds the whole message; every chunk then moves up to `budget` bytes.
+    /// checks it holds the whole message; every chunk then moves up to `budget` bytes. The
+    /// receive's check and the chunk's move share one critical section of the key tables.
     fn send(
         &mut self,
         qp: &Arc<QpInner>,
+        peer: &Arc<QpInner>,
         wr: &SendWr,
         imm: Option<u32>,
         progress: &mut Progress,
         budget: &mut u64,
     ) -> Step {
+        let device = self.device;
         let total = wr.message_len();
-        if total > MAX_MESSAGE {
-            return Step::Failed(WcStatus::LocalLengthError);
-        }
-        let (peer, _) = match self.peer(qp) {
-            Ok(found) => found,
-            Err(step) => return step,
-        };
         let n = (total - progress.done).min(*budget);
-        // The first chunk checks the whole gather list and the whole receive: when that
-        // chunk is the whole message, the pieces checked are the ones it moves.
-        let (mut source, mut target) = (None, None);
-        if !progress.started {
-            source = match check_gather(self.device, qp.pd.id, wr, total, n) {
-                Ok(located) => located,
-                Err(status) => return Step::Failed(status),
-            };
-            let recv = match self.take_recv(&peer) {
-                Ok(recv) => recv,
+        let first = !progress.started;
+        if first {
+            if let Err(status) = check_gather(&lock(&device.keys), qp.pd.id, wr, total) {
+                return Step::Failed(status);
+            }
+            match self.take_recv(peer) {
+                Ok(recv) => progress.recv = Some(recv),
                 Err(step) => return step,
-            };
-            match locate(
-                self.device,
-                peer.pd.id,
-                &recv.sges,
-                0,
-                total,
-                Access::LOCAL_WRITE,
-            ) {
-                Ok(pieces) => target = (n == total).then_some(pieces),
-                Err(Unlocated::Length) => {
-                    // The receiver sees a local length error; the sender an invalid request.
-                    self.responder_error(
-                        &peer,
-                        Some((&recv, WcOpcode::Recv)),
-                        WcStatus::LocalLengthError,
-                    );
-                    return Step::Failed(WcStatus::RemoteInvalidRequestError);
-                }
-                Err(Unlocated::Protection) => {
-                    self.responder_error(
-                        &peer,
-                        Some((&recv, WcOpcode::Recv)),
-                        WcStatus::LocalProtectionError,
-                    );
-                    return Step::Failed(WcStatus::RemoteOperationError);
-                }
             }
             progress.started = true;
-            progress.recv = Some(recv);
         }
         // Held here while the chunk moves, and back in `progress` whenever the request
         // goes on holding it.
         let Some(recv) = progress.recv.take() else {
             return Step::Failed(WcStatus::LocalProtectionError);
         };
-        if n > 0 {
-            let done = progress.done;
-            let moved = self.gather_into(qp, wr, (done, n), source, || {
-                target.or_else(|| {
-                    locate(
-                        self.device,
-                        peer.pd.id,
-                        &recv.sges,
-                        done,
-                        n,
-                        Access::LOCAL_WRITE,
-                    )
-                    .ok()
-                })
-            });
-            if let Err(Some(status)) = moved {
+        let keys = lock(&device.keys);
+        let fits = if first {
+            locate(&keys, peer.pd.id, &recv.sges, 0, total, Access::LOCAL_WRITE).map(|_| ())
+        } else {
+            Ok(())
+        };
+        let moved = match fits {
+            Err(unlocated) => {
+                drop(keys);
+                // The receiver sees a local error; the sender an invalid request for a
+                // receive too short, a remote operation error for one it may not write.
+                let (recv_status, status) = match unlocated {
+                    Unlocated::Length => (
+                        WcStatus::LocalLengthError,
+                        WcStatus::RemoteInvalidRequestError,
+                    ),
+                    Unlocated::Protection => (
+                        WcStatus::LocalProtectionError,
+                        WcStatus::RemoteOperationError,
+                    ),
+                };
+                self.responder_error(peer, Some((&recv, WcOpcode::Recv)), recv_status);
+                return Step::Failed(status);
+            }
+            Ok(()) if n == 0 => Ok(()),
+            Ok(()) => {
+                let done = progress.done;
+                match locate(&keys, qp.pd.id, &wr.sges, done, n, Access::NONE) {
+                    Err(unlocated) => Err(Some(unlocated.gather_status())),
+                    Ok(source) => {
+                        match locate(&keys, peer.pd.id, &recv.sges, done, n, Access::LOCAL_WRITE) {
+                            Ok(target) => {
+                                transfer(&source, &target).map_err(Side::requester_status)
+                            }
+                            Err(_) => Err(None),
+                        }
+                    }
+                }
+            }
+        };
+        drop(keys);
+        match moved {
+            Ok(()) => {}
+            Err(Some(status)) => {
                 // The message never arrives: its receive stays the responder's.
                 progress.recv = Some(recv);
                 self.give_back(qp, progress);
                 progress.recv = None;
                 return Step::Failed(status);
             }
-            if moved.is_err() {
+            Err(None) => {
                 self.responder_error(
-                    &peer,
+                    peer,
                     Some((&recv, WcOpcode::Recv)),
                     WcStatus::LocalProtectionError,
                 );
                 return Step::Failed(WcStatus::RemoteOperationError);
             }
-            progress.done += n;
-            *budget -= n;
         }
+        progress.done += n;
+        *budget -= n;
         if progress.done < total {
             progress.recv = Some(recv);
             return Step::Partial;
@@ -786,65 +824,43 @@ impl Exec<'_> {
             imm,
             qp_num: peer.qp_num,
         }) {
-            self.error(&peer);
+            self.error(peer);
         }
         Step::Done(byte_len)
     }
 
-    /// Moves `[done, done + n)` of the message `wr` gathers (`source`, if the caller has
-    /// located it already) into the pieces `target` locates (called once the source is
-    /// found): `Err(Some(status))` when the gather list cannot supply the bytes (the
-    /// requester's own error), `Err(None)` when the target cannot take them (each caller
-    /// knows what the responder then sees).
-    fn gather_into(
-        &self,
-        qp: &QpInner,
-        wr: &SendWr,
-        (done, n): (u64, u64),
-        source: Option<Pieces>,
-        target: impl FnOnce() -> Option<Pieces>,
-    ) -> std::result::Result<(), Option<WcStatus>> {
-        let source = match source {
-            Some(located) => located,
-            None => locate(self.device, qp.pd.id, &wr.sges, done, n, Access::NONE)
-                .map_err(Unlocated::gather_status)?,
-        };
-        let target = target().ok_or(None)?;
-        transfer(&source, &target).map_err(|side| side.status(WcStatus::LocalProtectionError))
-    }
-
     /// An RDMA WRITE: the rkey is checked for every chunk, as a device checks every packet,
-    /// so a window invalidated mid-transfer stops it.
+    /// so a window invalidated mid-transfer stops it. A write that is one chunk and takes
+    /// no receive (no immediate) is checked and moved in one critical section of the key
+    /// tables; otherwise the first chunk checks the whole gather list, the responder's
+    /// rights and takes the receive before anything moves.
+    #[allow(clippy::too_many_arguments)]
     fn write(
         &mut self,
         qp: &Arc<QpInner>,
+        (peer, allowed): (&Arc<QpInner>, Access),
         wr: &SendWr,
         remote: Remote,
         imm: Option<u32>,
         progress: &mut Progress,
         budget: &mut u64,
     ) -> Step {
+        let device = self.device;
         let total = wr.message_len();
-        if total > MAX_MESSAGE {
-            return Step::Failed(WcStatus::LocalLengthError);
-        }
-        let (peer, allowed) = match self.peer(qp) {
-            Ok(found) => found,
-            Err(step) => return step,
-        };
         let n = (total - progress.done).min(*budget);
-        let mut source = None;
-        if !progress.started {
-            source = match check_gather(self.device, qp.pd.id, wr, total, n) {
-                Ok(located) => located,
-                Err(status) => return Step::Failed(status),
-            };
+        let at_once = !progress.started && imm.is_none() && n == total && n > 0;
+        // Checked with the move when the write is moved at once, after its gather list.
+        let denied = at_once && !allowed.contains(Access::REMOTE_WRITE);
+        if !progress.started && !at_once {
+            if let Err(status) = check_gather(&lock(&device.keys), qp.pd.id, wr, total) {
+                return Step::Failed(status);
+            }
             if !allowed.contains(Access::REMOTE_WRITE) {
-                self.responder_error(&peer, None, WcStatus::RemoteInvalidRequestError);
+                self.responder_error(peer, None, WcStatus::RemoteInvalidRequestError);
                 return Step::Failed(WcStatus::RemoteInvalidRequestError);
             }
             if imm.is_some() {
-                match self.take_recv(&peer) {
+                match self.take_recv(peer) {
                     Ok(recv) => progress.recv = Some(recv),
                     Err(step) => return step,
                 }
@@ -852,11 +868,27 @@ impl Exec<'_> {
             progress.started = true;
         }
         if n > 0 {
-            let moved = self.gather_into(qp, wr, (progress.done, n), source, || {
-                let at = remote.addr.wrapping_add(progress.done);
-                resolve_remote(self.device, &peer, remote.rkey, at, n, Access::REMOTE_WRITE)
-                    .map(|piece| smallvec::smallvec![piece])
-            });
+            let keys = lock(&device.keys);
+            let done = progress.done;
+            // The gather list first (the requester's own error), then the responder.
+            let moved = match locate(&keys, qp.pd.id, &wr.sges, done, n, Access::NONE) {
+                Err(unlocated) => Err(Some(unlocated.gather_status())),
+                Ok(_) if denied => Err(Some(WcStatus::RemoteInvalidRequestError)),
+                Ok(source) => {
+                    let at = remote.addr.wrapping_add(done);
+                    match resolve_remote(&keys, peer, remote.rkey, at, n, Access::REMOTE_WRITE) {
+                        Some(target) => transfer(&source, std::slice::from_ref(&target))
+                            .map_err(Side::requester_status),
+                        None => Err(None),
+                    }
+                }
+            };
+            drop(keys);
+            if denied && moved == Err(Some(WcStatus::RemoteInvalidRequestError)) {
+                self.responder_error(peer, None, WcStatus::RemoteInvalidRequestError);
+                return Step::Failed(WcStatus::RemoteInvalidRequestError);
+            }
+            progress.started = true;
             match moved {
                 Ok(()) => {}
                 Err(Some(status)) => {
@@ -867,7 +899,7 @@ impl Exec<'_> {
                 Err(None) => {
                     let taken = progress.recv.take();
                     let consumed = taken.as_ref().map(|r| (r, WcOpcode::RecvRdmaWithImm));
-                    self.responder_error(&peer, consumed, WcStatus::RemoteAccessError);
+                    self.responder_error(peer, consumed, WcStatus::RemoteAccessError);
                     return Step::Failed(WcStatus::RemoteAccessError);
                 }
             }
@@ -887,80 +919,66 @@ impl Exec<'_> {
                 imm,
                 qp_num: peer.qp_num,
             }) {
-                self.error(&peer);
+                self.error(peer);
             }
         }
         Step::Done(byte_len)
     }
 
     /// An RDMA READ, a chunk per turn; the response lands in our SGEs, which need local
-    /// write.
+    /// write. A chunk's keys, both sides, and its move share one critical section of the
+    /// key tables.
     fn read(
         &mut self,
         qp: &Arc<QpInner>,
+        (peer, allowed): (&Arc<QpInner>, Access),
         wr: &SendWr,
         remote: Remote,
         progress: &mut Progress,
         budget: &mut u64,
     ) -> Step {
         let total = wr.message_len();
-        if total > MAX_MESSAGE {
-            return Step::Failed(WcStatus::LocalLengthError);
-        }
-        let (peer, allowed) = match self.peer(qp) {
-            Ok(found) => found,
-            Err(step) => return step,
-        };
         if !progress.started && !allowed.contains(Access::REMOTE_READ) {
-            self.responder_error(&peer, None, WcStatus::RemoteInvalidRequestError);
+            self.responder_error(peer, None, WcStatus::RemoteInvalidRequestError);
             return Step::Failed(WcStatus::RemoteInvalidRequestError);
         }
         let n = (total - progress.done).min(*budget);
         if n > 0 {
-            let source = resolve_remote(
-                self.device,
-                &peer,
-                remote.rkey,
-                remote.addr.wrapping_add(progress.done),
-                n,
-                Access::REMOTE_READ,
-            );
-            let Some(source) = source else {
-                self.responder_error(&peer, None, WcStatus::RemoteAccessError);
+            let device = self.device;
+            let keys = lock(&device.keys);
+            let at = remote.addr.wrapping_add(progress.done);
+            let Some(source) = resolve_remote(&keys, peer, remote.rkey, at, n, Access::REMOTE_READ)
+            else {
+                drop(keys);
+                self.responder_error(peer, None, WcStatus::RemoteAccessError);
                 return Step::Failed(WcStatus::RemoteAccessError);
             };
             // The whole scatter list is checked with the first chunk (the chunk itself,
             // when it is the whole message).
             if !progress.started
                 && n < total
-                && locate(
-                    self.device,
-                    qp.pd.id,
-                    &wr.sges,
-                    0,
-                    total,
-                    Access::LOCAL_WRITE,
-                )
-                .is_err()
+                && locate(&keys, qp.pd.id, &wr.sges, 0, total, Access::LOCAL_WRITE).is_err()
             {
                 return Step::Failed(WcStatus::LocalProtectionError);
             }
             let target = locate(
-                self.device,
+                &keys,
                 qp.pd.id,
                 &wr.sges,
                 progress.done,
                 n,
                 Access::LOCAL_WRITE,
             );
-            let moved = match target {
-                Ok(target) => transfer(&[source], &target),
+            let moved = match &target {
+                Ok(target) => transfer(std::slice::from_ref(&source), target),
                 Err(_) => Err(Side::Target),
             };
+            drop(target);
+            drop(keys);
             match moved {
                 Ok(()) => {}
                 Err(Side::Source) => {
-                    self.responder_error(&peer, None, WcStatus::RemoteAccessError);
+                    self.responder_error(peer, None, WcStatus::RemoteAccessError);
                     return Step::Failed(WcStatus::RemoteAccessError);
                 }
                 Err(Side::Target) => return Step::Failed(WcStatus::LocalProtectionError),
@@ -978,36 +996,36 @@ impl Exec<'_> {
     fn atomic(
         &mut self,
         qp: &Arc<QpInner>,
+        (peer, allowed): (&Arc<QpInner>, Access),
         wr: &SendWr,
-        remote_addr: u64,
-        rkey: u32,
+        remote: Remote,
         op: impl FnOnce(u64) -> u64,
     ) -> Step {
-        let (peer, allowed) = match self.peer(qp) {
-            Ok(found) => found,
-            Err(step) => return step,
-        };
         if !allowed.contains(Access::REMOTE_ATOMIC) {
-            self.responder_error(&peer, None, WcStatus::RemoteInvalidRequestError);
+            self.responder_error(peer, None, WcStatus::RemoteInvalidRequestError);
             return Step::Failed(WcStatus::RemoteInvalidRequestError);
         }
+        let device = self.device;
+        let keys = lock(&device.keys);
         let Some(Piece {
             memory, at: offset, ..
         }) = resolve_remote(
-            self.device,
-            &peer,
-            rkey,
-            remote_addr,
+            &keys,
+            peer,
+            remote.rkey,
+            remote.addr,
             8,
             Access::REMOTE_ATOMIC,
         )
         else {
-            self.responder_error(&peer, None, WcStatus::RemoteAccessError);
+            drop(keys);
+            self.responder_error(peer, None, WcStatus::RemoteAccessError);
             return Step::Failed(WcStatus::RemoteAccessError);
         };
-        if remote_addr % 8 != 0 {
+        if remote.addr % 8 != 0 {
             // rxe: RESPST_ERR_MISALIGNED_ATOMIC, NAK invalid request.
-            self.responder_error(&peer, None, WcStatus::RemoteInvalidRequestError);
+            drop(keys);
+            self.responder_error(peer, None, WcStatus::RemoteInvalidRequestError);
             return Step::Failed(WcStatus::RemoteInvalidRequestError);
         }
         // Atomic with respect to every other loopback atomic: all execution holds the
@@ -1023,7 +1041,7 @@ impl Exec<'_> {
         }
         // The original value lands in our SGEs (local write needed), as rxe's completer
         // does after the responder has executed.
-        match locate(self.device, qp.pd.id, &wr.sges, 0, 8, Access::LOCAL_WRITE) {
+        match locate(&keys, qp.pd.id, &wr.sges, 0, 8, Access::LOCAL_WRITE) {
             Ok(target) => scatter_bytes(&target, &old.to_ne_bytes()),
             Err(_) => return Step::Failed(WcStatus::LocalProtectionError),
         }
@@ -1115,17 +1133,15 @@ impl Exec<'_> {
 
 /// Where an rkey access lands: the memory and the offset into it, or `None` for a remote
 /// access error.
-fn resolve_remote(
-    device: &Shared,
+fn resolve_remote<'k>(
+    keys: &'k KeyTables,
     responder: &QpInner,
     rkey: u32,
     addr: u64,
     len: u64,
     needed: Access,
-) -> Option<Piece> {
+) -> Option<Piece<'k>> {
     let pd = responder.pd.id;
-    // One critical section: the rkey, and a window's MR, as the tables are now.
-    let keys = lock(&device.keys);
     if let Some(reg) = keys.translations.get(&rkey) {
         let ok = reg.pd == pd && reg.access.contains(needed) && reg.contains(addr, len);
         return ok.then(|| reg.piece(addr, len));
@@ -1157,19 +1173,16 @@ impl Remote {
     }
 }
 
-/// Checks, with a request's first chunk (`chunk` of its `total` bytes), that every SGE of
-/// its gather list lies inside a registration of `pd` (reading local memory needs no
-/// access right). When that chunk is the whole message, the pieces checked are the ones
-/// it moves: they are returned.
+/// Checks, with a request's first chunk, that every SGE of its gather list (`total`
+/// bytes) lies inside a registration of `pd` (reading local memory needs no access right).
 fn check_gather(
-    device: &Shared,
+    keys: &KeyTables,
     pd: u64,
     wr: &SendWr,
     total: u64,
-    chunk: u64,
-) -> std::result::Result<Option<Pieces>, WcStatus> {
-    match locate(device, pd, &wr.sges, 0, total, Access::NONE) {
-        Ok(pieces) => Ok((chunk == total).then_some(pieces)),
+) -> std::result::Result<(), WcStatus> {
+    match locate(keys, pd, &wr.sges, 0, total, Access::NONE) {
+        Ok(_) => Ok(()),
         Err(_) => Err(WcStatus::LocalProtectionError),
     }
 }
@@ -1196,22 +1209,24 @@ fn pieces(sges: &[Sge], offset: u64, len: u64) -> impl Iterator<Item = (u32, u64
     })
 }
 
-/// `len` bytes of `memory` at `at`: a contiguous piece of a message.
-pub(super) struct Piece {
-    memory: Arc<SharedMemory>,
+/// `len` bytes of `memory` at `at`: a contiguous piece of a message, borrowed from the
+/// key tables, so that it is used inside their critical section: no deregistration can
+/// take the memory away meanwhile, and finding a piece costs no reference count.
+pub(super) struct Piece<'k> {
+    memory: &'k SharedMemory,
     at: usize,
     len: usize,
 }
 
 /// The pieces of a message: as many as its SGEs, kept inline for up to four.
-type Pieces = SmallVec<[Piece; 4]>;
+type Pieces<'k> = SmallVec<[Piece<'k>; 4]>;
 
 impl Registration {
     /// `[addr, addr + len)`, inside this registration, as a piece of its memory.
-    fn piece(&self, addr: u64, len: u64) -> Piece {
+    fn piece(&self, addr: u64, len: u64) -> Piece<'_> {
         Piece {
             at: self.memory_offset(addr),
-            memory: Arc::clone(&self.memory),
+            memory: &self.memory,
             len: len as usize,
         }
     }
@@ -1229,27 +1244,26 @@ enum Unlocated {
 impl Unlocated {
     /// The status of a gather list that cannot supply the message (the requester's own
     /// error).
-    fn gather_status(self) -> Option<WcStatus> {
-        Some(match self {
+    fn gather_status(self) -> WcStatus {
+        match self {
             Unlocated::Length => WcStatus::LocalLengthError,
             Unlocated::Protection => WcStatus::LocalProtectionError,
-        })
+        }
     }
 }
 
 /// Where `[offset, offset + len)` of the message `sges` describes lies: each SGE's part,
 /// inside a registration of `pd` that grants `needed`.
-fn locate(
-    device: &Shared,
+fn locate<'k>(
+    keys: &'k KeyTables,
     pd: u64,
     sges: &[Sge],
     offset: u64,
     len: u64,
     needed: Access,
-) -> std::result::Result<Pieces, Unlocated> {
+) -> std::result::Result<Pieces<'k>, Unlocated> {
     let mut found = Pieces::new();
     let mut total = 0;
-    let keys = lock(&device.keys);
     for (lkey, addr, n) in pieces(sges, offset, len) {
         let reg = keys
             .translations
@@ -1259,7 +1273,6 @@ fn locate(
         found.push(reg.piece(addr, n));
         total += n;
     }
-    drop(keys);
     if total != len {
         return Err(Unlocated::Length);
     }
@@ -1274,21 +1287,21 @@ enum Side {
 }
 
 impl Side {
-    /// `None` for the target (each caller knows what the responder sees), `source` for the
-    /// source.
-    fn status(self, source: WcStatus) -> Option<WcStatus> {
-        (self == Side::Source).then_some(source)
+    /// What the requester completes with when its own gather list failed a transfer;
+    /// `None` for the target (each caller knows what the responder sees).
+    fn requester_status(self) -> Option<WcStatus> {
+        (self == Side::Source).then_some(WcStatus::LocalProtectionError)
     }
 }
 
 /// Copies a message from its source pieces to its target pieces, piece by piece, in one
 /// pass: memory to memory, no buffer between (the pieces hold the same number of bytes).
-fn transfer(source: &[Piece], target: &[Piece]) -> std::result::Result<(), Side> {
+fn transfer(source: &[Piece<'_>], target: &[Piece<'_>]) -> std::result::Result<(), Side> {
     let (mut i, mut j, mut from, mut to) = (0, 0, 0, 0);
     while let (Some(s), Some(t)) = (source.get(i), target.get(j)) {
         let n = (s.len - from).min(t.len - to);
         s.memory
-            .copy_to(s.at + from, &t.memory, t.at + to, n)
+            .copy_to(s.at + from, t.memory, t.at + to, n)
             .map_err(|e| match e {
                 CopyError::Source(_) => Side::Source,
                 CopyError::Target(_) => Side::Target,
@@ -1306,7 +1319,7 @@ fn transfer(source: &[Piece], target: &[Piece]) -> std::result::Result<(), Side>
 }
 
 /// Writes `data` (as long as the pieces together) into `target`.
-fn scatter_bytes(target: &[Piece], data: &[u8]) {
+fn scatter_bytes(target: &[Piece<'_>], data: &[u8]) {
     let mut pos = 0;
     for piece in target {
         // Located inside a registration; cannot fail but for a punched hugepage.
