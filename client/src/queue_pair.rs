@@ -8,6 +8,13 @@ use crate::mapping::RegionMapping;
 use crate::ring::{self, header, Completion, Layout, Submission, CQE_SIZE};
 use crate::types::RingInfo;
 
+/// How long a spinning wait polls without giving up its CPU before it starts yielding it
+/// between polls: a poll of an empty ring is a load and a `sched_yield` a system call, so
+/// a completion that comes within this is taken at once rather than after one; and a
+/// thread waiting for this CPU (the daemon's worker, where spinners outnumber cores) waits
+/// at most this long more.
+const PURE_SPIN: Duration = Duration::from_micros(2);
+
 /// A queue pair's rings, mapped.
 #[derive(Debug)]
 pub struct QueuePairRing {
@@ -27,7 +34,8 @@ pub enum Wait {
     Block,
     /// Busy-poll the ring for up to this long, then sleep as `Block` does: while spinning
     /// there is no wake-up (the daemon writes no channel, the client sleeps in no
-    /// `poll(2)`); the spinner only yields its CPU to whoever else wants it.
+    /// `poll(2)`); after its first 2 µs the spinner yields its CPU between polls to
+    /// whoever else wants it.
     Spin(Duration),
 }
 
@@ -199,12 +207,18 @@ impl QueuePairRing {
         let deadline = start + timeout;
         if let Wait::Spin(budget) = how {
             let spin_until = start + budget.min(timeout);
+            let pure_until = start + PURE_SPIN.min(budget).min(timeout);
             loop {
                 if let Some(c) = self.poll()? {
                     return Ok(Some(c));
                 }
-                if std::time::Instant::now() >= spin_until {
+                let now = std::time::Instant::now();
+                if now >= spin_until {
                     break;
+                }
+                if now < pure_until {
+                    std::hint::spin_loop();
+                    continue;
                 }
                 // Let whoever else wants this CPU have it (the daemon's worker, the peer):
                 // where spinners outnumber cores, a bare spin starves the thread that

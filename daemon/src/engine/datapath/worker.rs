@@ -215,6 +215,13 @@ impl Drop for Worker {
     }
 }
 
+/// How long after its last work the worker spins without giving up its CPU, before it
+/// starts yielding it between passes (see `run`): a pass over a few QPs takes tens of
+/// nanoseconds and a `sched_yield` a few hundred, so work that comes soon after the last
+/// (the client's next request, the next batch) is seen at once rather than after a system
+/// call; and a thread waiting for this CPU waits at most this long more.
+const PURE_SPIN: Duration = Duration::from_micros(2);
+
 /// How long a QP has had no work before the worker looks at it only now and then.
 const REST_AFTER: Duration = Duration::from_millis(1);
 /// Resting QPs looked at per pass, in turn: with R of them, each is looked at every
@@ -401,7 +408,12 @@ fn run(
             last_work = now;
             continue;
         }
-        if now.duration_since(last_work) < spin {
+        let idle = now.duration_since(last_work);
+        if idle < PURE_SPIN {
+            std::hint::spin_loop();
+            continue;
+        }
+        if idle < spin {
             // Spin, but give the CPU to anyone else who wants it: with more spinners than
             // cores (clients busy-polling, several workers), a bare spin holds a core for a
             // whole scheduler slice while the thread that would make progress waits.
