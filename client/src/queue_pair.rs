@@ -23,6 +23,8 @@ pub struct QueuePairRing {
     doorbell: OwnedFd,
     completions: OwnedFd,
     sq_tail: u32,
+    /// The worker's submission head as last loaded (see [`QueuePairRing::sq_room`]).
+    sq_head_seen: u32,
     cq_head: u32,
 }
 
@@ -74,14 +76,27 @@ impl QueuePairRing {
             doorbell,
             completions,
             sq_tail: 0,
+            sq_head_seen: 0,
             cq_head: 0,
         })
     }
 
+    /// Free submission slots, at least `wanted` of them if the ring has them. The worker's
+    /// head is loaded again only when the last look at it shows fewer: it only moves
+    /// forward, so an old look never overstates the room, and its cache line is the
+    /// worker's (each load after the worker moved it is a transfer between cores).
+    fn sq_room(&mut self, wanted: u32) -> io::Result<u32> {
+        let entries = self.layout.sq_entries;
+        let room = |head: u32| entries.saturating_sub(self.sq_tail.wrapping_sub(head));
+        if room(self.sq_head_seen) < wanted {
+            self.sq_head_seen = self.map.load_u32(header::SQ_HEAD)?;
+        }
+        Ok(room(self.sq_head_seen))
+    }
+
     /// Queues one work request (and rings the doorbell if the daemon's worker sleeps).
     pub fn submit(&mut self, s: &Submission) -> io::Result<Result<(), RingFull>> {
-        let head = self.map.load_u32(header::SQ_HEAD)?;
-        if self.sq_tail.wrapping_sub(head) >= self.layout.sq_entries {
+        if self.sq_room(1)? == 0 {
             return Ok(Err(RingFull));
         }
         self.map.write(self.layout.sqe(self.sq_tail), &s.encode())?;
@@ -100,12 +115,8 @@ impl QueuePairRing {
     /// Queues as many of `subs` as the ring has room for, in order, and publishes them with
     /// one store of the tail (and at most one doorbell); returns how many it queued.
     pub fn submit_all(&mut self, subs: &[Submission]) -> io::Result<usize> {
-        let head = self.map.load_u32(header::SQ_HEAD)?;
-        let room = self
-            .layout
-            .sq_entries
-            .saturating_sub(self.sq_tail.wrapping_sub(head)) as usize;
-        let n = subs.len().min(room);
+        let wanted = u32::try_from(subs.len()).unwrap_or(u32::MAX);
+        let n = subs.len().min(self.sq_room(wanted)? as usize);
         if n == 0 {
             return Ok(0);
         }
