@@ -17,7 +17,7 @@
 use std::sync::{Arc, OnceLock};
 
 use libfuzzer_sys::fuzz_target;
-use rdmad::engine::testing::{check, DomainId, RegionRight, RegionRights, Work};
+use rdmad::engine::testing::{check_into, DomainId, RegionRight, RegionRights};
 use rdmad::engine::RegionId;
 use rdmad::memory::SharedMemory;
 use rdmad::provider::loopback::LoopbackDevice;
@@ -41,7 +41,9 @@ fn session() -> &'static Session {
         let mut rights = RegionRights::default();
         for (id, len, writable) in [(1u64, 4096, true), (2, 65536, true), (3, 8192, false)] {
             let memory = Arc::new(SharedMemory::create(c"fuzz", len).unwrap());
-            let mr = pd.register(Arc::clone(&memory), Access::LOCAL_WRITE).unwrap();
+            let mr = pd
+                .register(Arc::clone(&memory), Access::LOCAL_WRITE)
+                .unwrap();
             let in_domains = if id == 2 {
                 [
                     (4096, 8192, 0x7f00_0000_1000, Access::LOCAL_WRITE),
@@ -104,22 +106,36 @@ fuzz_target!(|data: &[u8]| {
         .get(SQE_SIZE + CQE_SIZE)
         .is_some_and(|b| b & 1 == 1)
         .then_some(DOMAIN);
-    let Ok(checked) = check(&sub, &session.rights, max_sge, domain, 7) else {
+    let (mut sends, mut recvs) = (Vec::new(), Vec::new());
+    let checked = check_into(
+        &sub,
+        &session.rights,
+        max_sge,
+        domain,
+        7,
+        (&mut sends, &mut recvs),
+    );
+    let Ok(pins) = checked else {
+        assert!(
+            sends.is_empty() && recvs.is_empty(),
+            "a refused request was staged"
+        );
         return;
     };
     assert!(sub.sges.len() <= max_sge as usize, "{sub:?}");
-    let sges = match &checked.work {
-        Work::Send(w) => {
+    let sges = match (&sends[..], &recvs[..]) {
+        ([w], []) => {
             assert_ne!(sub.opcode, Opcode::Recv);
             &w.sges
         }
-        Work::Recv(w) => {
+        ([], [w]) => {
             assert_eq!(sub.opcode, Opcode::Recv);
             &w.sges
         }
+        _ => panic!("not exactly one request staged: {sub:?}"),
     };
     assert_eq!(sges.len(), sub.sges.len());
-    assert_eq!(checked.pins.len(), sub.sges.len());
+    assert_eq!(pins.len(), sub.sges.len());
     for (sge, asked) in sges.iter().zip(&sub.sges) {
         let right = &session.rights[&RegionId(asked.region)];
         assert!(right.writable || !device_writes, "{sub:?}");

@@ -24,7 +24,7 @@ mod token;
 /// bytes.
 #[doc(hidden)]
 pub mod testing {
-    pub use super::datapath::validate::{check, RegionRight, RegionRights, Work};
+    pub use super::datapath::validate::{check_into, RegionRight, RegionRights};
     pub use super::ids::DomainId;
 }
 

@@ -10,7 +10,7 @@ use std::sync::Arc;
 use rdmad_client::ring::{self, header, Completion, Opcode, Status, Submission, SQE_SIZE};
 use rustc_hash::FxHashMap as HashMap;
 
-use super::validate::{self, RegionRights, Work};
+use super::validate::{self, RegionRights};
 use super::worker::{Reply, WorkerError};
 use crate::engine::qp::{QpId, QueuePairRecord};
 use crate::provider::{PostError, ProviderError, WcOpcode, WcStatus, WorkCompletion};
@@ -306,27 +306,26 @@ impl ServedQp {
             }
             let wr = self.in_flight.next_id();
             match validate::check_length(&sub, self.record.max_message).and_then(|()| {
-                validate::check(
+                validate::check_into(
                     &sub,
                     rights,
                     self.record.options.max_sge,
                     self.record.domain.map(|(_, id)| id),
                     wr,
+                    (sends, recvs),
                 )
             }) {
-                Ok(checked) => {
-                    match checked.work {
-                        Work::Send(mut w) => {
-                            w.inline = validate::goes_inline(&w, self.record.options.max_inline);
-                            sends.push(w)
+                Ok(pins) => {
+                    if !is_recv {
+                        if let Some(w) = sends.last_mut() {
+                            w.inline = validate::goes_inline(w, self.record.options.max_inline);
                         }
-                        Work::Recv(w) => recvs.push(w),
                     }
                     let id = self.in_flight.insert(InFlight {
                         client_wr_id: sub.wr_id,
                         opcode: sub.opcode,
                         signaled: sub.signaled,
-                        _pins: checked.pins,
+                        _pins: pins,
                     });
                     debug_assert_eq!(id, wr);
                     staged.push((id, is_recv));

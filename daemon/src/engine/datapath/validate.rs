@@ -32,17 +32,38 @@ pub type RegionRights = rustc_hash::FxHashMap<RegionId, RegionRight>;
 /// The registrations a request uses, kept inline for as many SGEs as a ring entry holds.
 pub type Pins = smallvec::SmallVec<[Arc<dyn MemoryRegion>; 4]>;
 
-/// A checked request, with the registrations it uses: they stay alive until it completes.
+/// A checked request on its own, with the registrations it uses ([`check`]).
+#[cfg(test)]
 #[derive(Debug)]
 pub struct Checked {
     pub work: Work,
     pub pins: Pins,
 }
 
+#[cfg(test)]
 #[derive(Debug)]
 pub enum Work {
     Send(SendWr),
     Recv(RecvWr),
+}
+
+/// [`check_into`] for one request on its own.
+#[cfg(test)]
+pub fn check(
+    s: &Submission,
+    rights: &RegionRights,
+    max_sge: u32,
+    domain: Option<DomainId>,
+    wr_id: u64,
+) -> Result<Checked, Refusal> {
+    let (mut sends, mut recvs) = (Vec::new(), Vec::new());
+    let pins = check_into(s, rights, max_sge, domain, wr_id, (&mut sends, &mut recvs))?;
+    let work = match (sends.pop(), recvs.pop()) {
+        (Some(send), None) => Work::Send(send),
+        (None, Some(recv)) => Work::Recv(recv),
+        other => panic!("check_into staged {other:?}"),
+    };
+    Ok(Checked { work, pins })
 }
 
 /// Why a request was refused: the completion status and a detail code (the SGE index for
@@ -72,16 +93,20 @@ pub fn check_length(s: &Submission, max_message: u64) -> Result<(), Refusal> {
 pub const TOO_MANY_SGES: u32 = 2;
 
 /// Checks and translates `s`, for a queue pair that takes at most `max_sge` SGEs per
-/// request and lives in the session's domain `domain` (or the daemon's, `None`). `wr_id`
-/// is the daemon's own id for the request (the client's stays in the daemon's
-/// bookkeeping).
-pub fn check(
+/// request and lives in the session's domain `domain` (or the daemon's, `None`), and
+/// stages the request at the end of the batch of sends or of receives (built there, not
+/// moved there: a request is over a hundred bytes). `wr_id` is the daemon's own id for
+/// the request (the client's stays in the daemon's bookkeeping). Returns the registrations
+/// the request uses, which must stay alive until it completes; a refused request stages
+/// nothing.
+pub fn check_into(
     s: &Submission,
     rights: &RegionRights,
     max_sge: u32,
     domain: Option<DomainId>,
     wr_id: u64,
-) -> Result<Checked, Refusal> {
+    (sends, recvs): (&mut Vec<SendWr>, &mut Vec<RecvWr>),
+) -> Result<Pins, Refusal> {
     if s.sges.len() > max_sge as usize {
         return Err(Refusal {
             status: Status::InvalidEntry,
@@ -132,10 +157,8 @@ pub fn check(
     }
     let op = match s.opcode {
         Opcode::Recv => {
-            return Ok(Checked {
-                work: Work::Recv(RecvWr { wr_id, sges }),
-                pins,
-            })
+            recvs.push(RecvWr { wr_id, sges });
+            return Ok(pins);
         }
         Opcode::Send => SendOp::Send { imm: s.imm },
         Opcode::Write => SendOp::Write {
@@ -159,19 +182,17 @@ pub fn check(
             swap: s.swap,
         },
     };
-    Ok(Checked {
+    sends.push(SendWr {
+        wr_id,
+        op,
+        sges,
         // Every request is signaled to the device: the daemon must see each one complete
         // to release what it pins; the client's `signaled` only decides whether the
         // client hears of it.
-        work: Work::Send(SendWr {
-            wr_id,
-            op,
-            sges,
-            signaled: true,
-            inline: false,
-        }),
-        pins,
-    })
+        signaled: true,
+        inline: false,
+    });
+    Ok(pins)
 }
 
 /// Whether the device is handed `wr`'s bytes with the request: a SEND or WRITE of at most
