@@ -720,6 +720,64 @@ fn qp_access_flags_gate_remote_operations() {
     drop(mw);
 }
 
+/// A WRITE's checks in rxe's order, whether it moves in one step or not: the requester's
+/// own gather list first (its own error; the responder is untouched), then the
+/// responder's rights, then the rkey — and a WRITE with immediate that fails at the rkey
+/// consumes the receive it took, which completes with the error.
+#[test]
+fn a_write_checks_its_gather_list_then_the_responders_rights_then_the_rkey() {
+    let dev = LoopbackDevice::new("lo-wrorder");
+    let opts = Opts::default();
+    let write = |b: &End, imm| SendOp::Write {
+        remote_addr: b.mr.addr(),
+        rkey: b.mr.rkey(),
+        imm,
+    };
+    // A responder that allows no remote write, and a gather list outside every MR.
+    let a = End::new(&dev, None, &opts);
+    let b = End::new(&dev, None, &opts);
+    a.connect(&b.endpoint(), &opts);
+    b.connect(
+        &a.endpoint(),
+        &Opts {
+            qp_access: Access::REMOTE_READ,
+            ..Opts::default()
+        },
+    );
+    a.post(1, write(&b, None), vec![a.sge(opts.mem as u64, 8)])
+        .unwrap();
+    assert_eq!(a.wait().status, WcStatus::LocalProtectionError);
+    assert_eq!(
+        b.qp.state().unwrap(),
+        QpState::Rts,
+        "the responder saw nothing"
+    );
+    assert!(b.polled().is_empty());
+
+    // A good gather list, an rkey that is no key, with immediate data: the receive the
+    // WRITE took completes with the remote access error, and both QPs are in error.
+    let (a, b) = pair(&dev, &opts);
+    b.recv(7, vec![b.sge(0, 16)]).unwrap();
+    a.post(
+        2,
+        SendOp::Write {
+            remote_addr: b.mr.addr(),
+            rkey: b.mr.rkey() ^ 0x100,
+            imm: Some(5),
+        },
+        vec![a.sge(0, 8)],
+    )
+    .unwrap();
+    assert_eq!(a.wait().status, WcStatus::RemoteAccessError);
+    let wc = b.wait();
+    assert_eq!(
+        (wc.wr_id, wc.status, wc.opcode),
+        (7, WcStatus::RemoteAccessError, WcOpcode::RecvRdmaWithImm)
+    );
+    assert_eq!(b.qp.state().unwrap(), QpState::Error);
+    assert_eq!(a.qp.state().unwrap(), QpState::Error);
+}
+
 #[test]
 fn window_types_keys_and_bounds() {
     let dev = LoopbackDevice::new("lo-mw");
