@@ -685,12 +685,11 @@ fn receive_buffer_must_be_locally_writable() {
     assert_eq!(a.wait().status, WcStatus::LocalProtectionError);
 }
 
-#[test]
-fn qp_access_flags_gate_remote_operations() {
-    let dev = LoopbackDevice::new("lo-qpacc");
+/// Two connected ends whose responder (the second) allows remote reads only.
+fn pair_with_a_read_only_responder(dev: &LoopbackDevice) -> (End, End) {
     let opts = Opts::default();
-    let a = End::new(&dev, None, &opts);
-    let b = End::new(&dev, None, &opts);
+    let a = End::new(dev, None, &opts);
+    let b = End::new(dev, None, &opts);
     a.connect(&b.endpoint(), &opts);
     b.connect(
         &a.endpoint(),
@@ -699,6 +698,13 @@ fn qp_access_flags_gate_remote_operations() {
             ..Opts::default()
         },
     );
+    (a, b)
+}
+
+#[test]
+fn qp_access_flags_gate_remote_operations() {
+    let dev = LoopbackDevice::new("lo-qpacc");
+    let (a, b) = pair_with_a_read_only_responder(&dev);
     let mw = b.pd.alloc_mw(MwType::Type2).unwrap();
     assert_eq!(b.bind(&mw, 0, 4096, ALL_REMOTE), WcStatus::Success);
     a.post(
@@ -728,24 +734,14 @@ fn qp_access_flags_gate_remote_operations() {
 fn a_write_checks_its_gather_list_then_the_responders_rights_then_the_rkey() {
     let dev = LoopbackDevice::new("lo-wrorder");
     let opts = Opts::default();
-    let write = |b: &End, imm| SendOp::Write {
+    // A responder that allows no remote write, and a gather list outside every MR.
+    let (a, b) = pair_with_a_read_only_responder(&dev);
+    let write = SendOp::Write {
         remote_addr: b.mr.addr(),
         rkey: b.mr.rkey(),
-        imm,
+        imm: None,
     };
-    // A responder that allows no remote write, and a gather list outside every MR.
-    let a = End::new(&dev, None, &opts);
-    let b = End::new(&dev, None, &opts);
-    a.connect(&b.endpoint(), &opts);
-    b.connect(
-        &a.endpoint(),
-        &Opts {
-            qp_access: Access::REMOTE_READ,
-            ..Opts::default()
-        },
-    );
-    a.post(1, write(&b, None), vec![a.sge(opts.mem as u64, 8)])
-        .unwrap();
+    a.post(1, write, vec![a.sge(opts.mem as u64, 8)]).unwrap();
     assert_eq!(a.wait().status, WcStatus::LocalProtectionError);
     assert_eq!(
         b.qp.state().unwrap(),
