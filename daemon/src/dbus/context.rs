@@ -230,8 +230,9 @@ impl Context {
     }
 
     /// Withdraws the objects of what the engine removed. An object not served (yet) is no
-    /// error: a region or queue pair removed while it was being made is withdrawn by its
-    /// publisher (`publish_region`, `publish_qp`).
+    /// error: a session, region or queue pair removed while it was being made is withdrawn
+    /// by its publisher (`publish_session`, `publish_region`, `publish_qp`), which looks it
+    /// up again once its object is served.
     pub async fn withdraw(&self, server: &ObjectServer, removed: &Removed) {
         for id in &removed.qps {
             if let Err(e) = self.remove::<QueuePairObject>(server, qp_path(id.0)).await {
@@ -249,9 +250,10 @@ impl Context {
                 .await
             {
                 Ok(true) => {}
-                Ok(false) => {
-                    tracing::warn!(session = %id, "the session's object was not served")
-                }
+                Ok(false) => tracing::debug!(
+                    session = %id,
+                    "the session's object was not served yet: its publisher withdraws it"
+                ),
                 Err(e) => tracing::warn!(session = %id, "cannot withdraw the session object: {e}"),
             }
         }
