@@ -227,6 +227,12 @@ const REST_AFTER: Duration = Duration::from_millis(1);
 /// Resting QPs looked at per pass, in turn: with R of them, each is looked at every
 /// R / `REST_LOOKS` passes, and a pass over the busy ones costs at most this many more.
 const REST_LOOKS: usize = 16;
+/// Resting QPs looked at per pass while the worker spins without yielding ([`PURE_SPIN`])
+/// after a pass that found nothing: such passes follow each other every few tens of
+/// nanoseconds, and sixteen looks at rings out of the cache would make each one, and so
+/// the busy QPs' next look, several times longer. Passes that find work, and passes
+/// between yields, look at [`REST_LOOKS`].
+const SPIN_REST_LOOKS: usize = 1;
 
 /// The QPs a worker serves, split by how often it looks at them: busy ones every pass,
 /// resting ones (no work for [`REST_AFTER`]) a few per pass, so that a thousand idle QPs
@@ -331,9 +337,9 @@ impl Served {
         self.all_mut().find(|q| q.id == id)
     }
 
-    /// One pass: every busy QP, and [`REST_LOOKS`] resting ones (all of them if `full`).
-    /// Returns whether anything moved.
-    fn pass(&mut self, now: Instant, full: bool) -> bool {
+    /// One pass: every busy QP, and `looks` resting ones (at most all of them). Returns
+    /// whether anything moved.
+    fn pass(&mut self, now: Instant, looks: usize) -> bool {
         let mut moved = false;
         let mut i = 0;
         while i < self.busy.len() {
@@ -348,11 +354,7 @@ impl Served {
             }
             i += 1;
         }
-        let looks = if full {
-            self.resting.len()
-        } else {
-            REST_LOOKS.min(self.resting.len())
-        };
+        let looks = looks.min(self.resting.len());
         for _ in 0..looks {
             if self.cursor >= self.resting.len() {
                 self.cursor = 0;
@@ -381,6 +383,8 @@ fn run(
     let mut last_work = Instant::now();
     let mut seen = 0;
     let mut full = false;
+    // Whether the last pass found work.
+    let mut moved = true;
     while !stop.load(Ordering::Acquire) {
         // Commands are taken before the QP changes are looked at: a command for a QP just
         // added (`add`, then `run`) then always finds it served.
@@ -403,7 +407,15 @@ fn run(
             }
         }
         let now = Instant::now();
-        busy |= served.pass(now, std::mem::take(&mut full));
+        let looks = if std::mem::take(&mut full) {
+            usize::MAX
+        } else if !moved && now.duration_since(last_work) < PURE_SPIN {
+            SPIN_REST_LOOKS
+        } else {
+            REST_LOOKS
+        };
+        moved = served.pass(now, looks);
+        busy |= moved;
         if busy {
             last_work = now;
             continue;

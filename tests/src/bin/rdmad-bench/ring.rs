@@ -70,7 +70,7 @@ const USAGE: &str =
 const CONFIG: &str = "[daemon]\nlog_level = \"warn\"\nworkers = 1\n\n[[pool]]\n\
                       name = \"bench\"\ncapacity = \"4MiB\"\n\
                       size_classes = [\"4KiB\", \"64KiB\", \"1MiB\"]\n\n\
-                      [quota.default]\nregistered_bytes = \"4MiB\"\nqps = 4096\n\
+                      [quota.default]\nregistered_bytes = \"3MiB\"\nqps = 4096\n\
                       sessions = 4096\n";
 const MAX_IDLE: u32 = 4000;
 
