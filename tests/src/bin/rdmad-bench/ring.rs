@@ -546,7 +546,7 @@ pub async fn run(args: impl Iterator<Item = String>) -> Result<()> {
     .await;
     let mut proxied = Proxied::new(bus.connect().await, args.size).await?;
     let floor = Floor::new(args.size)?;
-    let copies = (args.size > LEN).then(|| Copies::new(args.size));
+    let mut copies = (args.size > LEN).then(|| Copies::new(args.size));
 
     struct Row {
         batch: u32,
@@ -558,7 +558,7 @@ pub async fn run(args: impl Iterator<Item = String>) -> Result<()> {
     let mut rows = Vec::new();
     for &batch in &args.batches {
         let memcpy = copies
-            .as_ref()
+            .as_mut()
             .map(|c| c.rate(u64::from(batch) * u64::from(args.iterations)));
         let floor = floor.series(batch, args.iterations)?;
         let mut rdmad = Vec::new();
@@ -606,14 +606,11 @@ pub async fn run(args: impl Iterator<Item = String>) -> Result<()> {
     println!("WR/s: work requests per second over all the cell's batches, millions.");
     println!("added: rdmad's median minus the device's.");
     println!();
-    let mut head = String::from("| batch | device | device M WR/s |");
-    let mut rule = String::from("|---:|---:|---:|");
-    for mode in &args.modes {
-        head.push_str(&format!(" rdmad {} | M WR/s | added |", mode_name(*mode)));
-        rule.push_str("---:|---:|---:|");
-    }
-    println!("{head}");
-    println!("{rule}");
+    print_head(
+        &["batch", "device", "device M WR/s"],
+        &args.modes,
+        &["M WR/s", "added"],
+    );
     for row in &rows {
         let mut line = format!(
             "| {} | {} | {:.2} |",
@@ -640,14 +637,7 @@ pub async fn run(args: impl Iterator<Item = String>) -> Result<()> {
             args.size
         );
         println!();
-        let mut head = String::from("| batch | memcpy | device |");
-        let mut rule = String::from("|---:|---:|---:|");
-        for mode in &args.modes {
-            head.push_str(&format!(" rdmad {} |", mode_name(*mode)));
-            rule.push_str("---:|");
-        }
-        println!("{head}");
-        println!("{rule}");
+        print_head(&["batch", "memcpy", "device"], &args.modes, &[]);
         for row in &rows {
             let memcpy = row.memcpy.unwrap_or(f64::NAN);
             let gbs = |cell: &Cell| cell.mwrs() * 1e6 * f64::from(args.size);
@@ -716,6 +706,18 @@ pub async fn run(args: impl Iterator<Item = String>) -> Result<()> {
     Ok(())
 }
 
+/// Prints the head of a table of right-aligned columns: `fixed`, then for each wait mode a
+/// column `rdmad MODE` followed by `per_mode`.
+fn print_head(fixed: &[&str], modes: &[Mode], per_mode: &[&str]) {
+    let mut columns: Vec<String> = fixed.iter().map(|c| (*c).to_owned()).collect();
+    for mode in modes {
+        columns.push(format!("rdmad {}", mode_name(*mode)));
+        columns.extend(per_mode.iter().map(|c| (*c).to_owned()));
+    }
+    println!("| {} |", columns.join(" | "));
+    println!("|{}", "---:|".repeat(columns.len()));
+}
+
 /// The raw alternative to a long write: this process copying the same length between two
 /// page-aligned buffers of its own (page-aligned as regions are: see `bandwidth`'s note on
 /// the CPU's string copy and addresses just past a page).
@@ -738,14 +740,13 @@ impl Copies {
     }
 
     /// Bytes per second over `n` copies.
-    fn rate(&self, n: u64) -> f64 {
-        let mut to = self.to.clone();
+    fn rate(&mut self, n: u64) -> f64 {
         let (from_at, to_at) = (
             self.from.as_ptr().align_offset(Self::PAGE),
-            to.as_ptr().align_offset(Self::PAGE),
+            self.to.as_ptr().align_offset(Self::PAGE),
         );
         let from = &self.from[from_at..from_at + self.len];
-        let to = &mut to[to_at..to_at + self.len];
+        let to = &mut self.to[to_at..to_at + self.len];
         let start = Instant::now();
         for _ in 0..n {
             to.copy_from_slice(std::hint::black_box(from));
