@@ -9,10 +9,11 @@ use std::collections::VecDeque;
 use std::fs::File;
 use std::io::{ErrorKind, Read, Write};
 
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, Weak};
 
 use nix::fcntl::OFlag;
 
+use super::qp::QpInner;
 use super::{os_error, PdInner, MAX_CQ, MAX_CQE};
 use crate::lock::lock;
 use crate::provider::counters::Tracked;
@@ -41,7 +42,6 @@ pub(super) fn create(pd: &Arc<PdInner>, depth: u32) -> Result<Arc<dyn Completion
         inner: Arc::new(CqInner {
             depth: depth as usize,
             queue: Mutex::default(),
-            unfinished: Mutex::default(),
             read: File::from(read),
             write: File::from(write),
         }),
@@ -62,16 +62,17 @@ struct Queue {
     entries: VecDeque<WorkCompletion>,
     armed: bool,
     overflows: u64,
+    /// QPs feeding this CQ whose send queue stopped at the end of a turn's budget with
+    /// work left (see `qp::TURN_BYTES`): polling the CQ runs their next turn, as a software
+    /// device's work progresses when its user polls. Held weakly and changed only under
+    /// the execution lock, where a QP's handle takes it off the list before it goes.
+    unfinished: Vec<Weak<QpInner>>,
 }
 
 #[derive(Debug)]
 pub(super) struct CqInner {
     depth: usize,
     queue: Mutex<Queue>,
-    /// QPs feeding this CQ whose send queue stopped at the end of a turn's budget with
-    /// work left (see `qp::TURN_BYTES`): polling the CQ runs their next turn, as a software
-    /// device's work progresses when its user polls.
-    unfinished: Mutex<Vec<u32>>,
     read: File,
     write: File,
 }
@@ -103,17 +104,18 @@ impl CqInner {
         true
     }
 
-    /// Asks the next poll to run `qp_num`'s next turn.
-    pub(super) fn continue_later(&self, qp_num: u32) {
-        {
-            let mut unfinished = lock(&self.unfinished);
-            if unfinished.contains(&qp_num) {
-                return;
-            }
-            unfinished.push(qp_num);
-        }
-        // A poller asleep on the channel must come and run the next turn.
+    /// Asks the next poll to run `qp`'s next turn (under the execution lock).
+    pub(super) fn continue_later(&self, qp: &Arc<QpInner>) {
         let mut queue = lock(&self.queue);
+        if queue
+            .unfinished
+            .iter()
+            .any(|w| w.as_ptr() == Arc::as_ptr(qp))
+        {
+            return;
+        }
+        queue.unfinished.push(Arc::downgrade(qp));
+        // A poller asleep on the channel must come and run the next turn.
         if queue.armed {
             queue.armed = false;
             if let Err(e) = (&self.write).write(&[1]) {
@@ -122,6 +124,23 @@ impl CqInner {
                 }
             }
         }
+    }
+
+    /// The QPs whose next turn a poll is to run, taken off the list (under the execution
+    /// lock, as every change of the list is made: see [`CqInner::forget`]). On the stack,
+    /// so the list keeps its buffer: a stream of large requests (one unfinished turn per
+    /// poll) allocates nothing here.
+    pub(super) fn take_unfinished(&self) -> smallvec::SmallVec<[Weak<QpInner>; 8]> {
+        lock(&self.queue).unfinished.drain(..).collect()
+    }
+
+    /// Takes `qp` off the list of unfinished QPs: its handle is going, and only a QP whose
+    /// handle lives may be upgraded from the list (under the execution lock), so the last
+    /// strong reference to a QP stays its handle's.
+    pub(super) fn forget(&self, qp: &Arc<QpInner>) {
+        lock(&self.queue)
+            .unfinished
+            .retain(|w| w.as_ptr() != Arc::as_ptr(qp));
     }
 
     /// How many completions were lost to overflow since the CQ was created.
@@ -133,21 +152,20 @@ impl CqInner {
 
 impl CompletionQueue for LoopbackCq {
     fn poll(&self, out: &mut Vec<WorkCompletion>, max: usize) -> Result<usize> {
-        // Taken onto the stack, so the list keeps its buffer: a stream of large requests
-        // (one unfinished turn per poll) allocates nothing here.
-        let unfinished: smallvec::SmallVec<[u32; 8]> =
-            lock(&self.inner.unfinished).drain(..).collect();
-        if !unfinished.is_empty() {
-            super::qp::run_turns(&self.pd.device, &unfinished);
-        }
         let mut queue = lock(&self.inner.queue);
+        if !queue.unfinished.is_empty() {
+            // The turns take this lock to complete their work.
+            drop(queue);
+            super::qp::run_turns(&self.pd.device, &self.inner);
+            queue = lock(&self.inner.queue);
+        }
         let n = max.min(queue.entries.len());
         out.extend(queue.entries.drain(..n));
         Ok(n)
     }
 
     fn needs_polling(&self) -> bool {
-        !lock(&self.inner.unfinished).is_empty()
+        !lock(&self.inner.queue).unfinished.is_empty()
     }
 
     fn arm(&self) -> Result<()> {

@@ -24,10 +24,12 @@
 //!   queue (RNR) and is retried when the peer posts a receive, changes state or goes away;
 //!   finite `rnr_retry` counts are honoured with a short-lived timer thread.
 //! - **Lock order.** `exec` → one QP's `data` at a time → leaf locks (key tables, QP table,
-//!   CQ queues). A QP lock is never held while taking `exec` or another QP's lock. Temporary
-//!   strong references to other QPs are only taken (from the QP table) while holding `exec`,
-//!   and a QP handle's `Drop` takes `exec` before unpublishing itself, so the last reference
-//!   to a QP is always its handle's and object counts are exact.
+//!   CQ queues). A QP lock is never held while taking `exec` or another QP's lock. Strong
+//!   references to QPs are only taken (from the QP table, or a CQ's list of QPs with a turn
+//!   left) while holding `exec`, and kept past it only as the peer `exec` remembers; a QP
+//!   handle's `Drop` takes `exec` to forget that peer, take the QP off its CQ's list and
+//!   unpublish it, so the last reference to a QP is always its handle's and object counts
+//!   are exact.
 //! - **No threads** besides the RNR timers, no `unsafe`: data moves with
 //!   [`SharedMemory::read_at`]/[`SharedMemory::write_at`]; atomics are a read-modify-write
 //!   under `exec`, atomic with respect to every other loopback atomic
@@ -142,8 +144,9 @@ struct Shared {
     keys: Mutex<KeyTables>,
     /// qp_num → QP; strong references are only taken from it while holding `exec`.
     qps: Mutex<FxHashMap<u32, Weak<qp::QpInner>>>,
-    /// The execution lock (see the module documentation).
-    exec: Mutex<()>,
+    /// The execution lock (see the module documentation), and what it keeps from one hold
+    /// to the next.
+    exec: Mutex<qp::Held>,
     /// Key-table indices of MRs and windows (a leaf lock).
     indices: Mutex<KeyIndices>,
     /// Registrations the device refused to deregister, retried on request (taken before

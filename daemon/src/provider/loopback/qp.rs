@@ -264,18 +264,40 @@ const RNR_TIMER_US: [u64; 32] = [
     245_760, 327_680, 491_520,
 ];
 
-/// One turn for each of `qp_nums` (those a CQ poll found unfinished).
-pub(super) fn run_turns(device: &Arc<Shared>, qp_nums: &[u32]) {
-    drive(device, |ex| ex.kicks.extend(qp_nums.iter().copied()));
+/// One turn for each QP `cq` lists as unfinished.
+pub(super) fn run_turns(device: &Arc<Shared>, cq: &CqInner) {
+    drive(device, |ex| {
+        // Taken under the execution lock, where a QP's handle takes it off the list before
+        // it goes: every QP on it still has its handle.
+        for qp in cq.take_unfinished() {
+            if let Some(qp) = qp.upgrade() {
+                ex.run(&qp);
+            }
+        }
+    });
+}
+
+/// What the execution lock keeps from one hold to the next.
+#[derive(Debug, Default)]
+pub(super) struct Held {
+    /// The peer the last request found ready, connected back to its QP (that QP's number
+    /// first), and the rights it grants: the QP's next requests, in this turn or a later
+    /// one, go to it without looking again. Nothing but an error or a destruction can
+    /// change what a ready peer is and grants (`to_init` and `to_rtr` refuse a QP past
+    /// RTR, the GIDs are fixed, and errors and destruction take the execution lock), and
+    /// both forget it ([`Exec::error`], `LoopbackQp`'s `Drop`), so the answer holds until
+    /// then. A strong reference kept under the execution lock, dropped by the `Drop` of
+    /// either QP's handle before it unpublishes the QP: the last reference to a QP is still
+    /// its handle's.
+    peer: Option<(u32, Arc<QpInner>, Access)>,
 }
 
 /// Runs `f` under the device's execution lock, then every QP it asked to be kicked.
 fn drive(device: &Arc<Shared>, f: impl FnOnce(&mut Exec<'_>)) {
-    let _exec = lock(&device.exec);
     let mut ex = Exec {
         device,
+        held: lock(&device.exec),
         kicks: SmallVec::new(),
-        peer: None,
         errors: 0,
     };
     f(&mut ex);
@@ -318,15 +340,11 @@ fn schedule(device: &Arc<Shared>, qp_num: u32, at: Instant) {
 /// The state of one run under the execution lock.
 struct Exec<'a> {
     device: &'a Arc<Shared>,
+    /// The execution lock, held for the whole run.
+    held: std::sync::MutexGuard<'a, Held>,
     /// QPs to run after the current one (never run re-entrantly); a turn kicks a few at
     /// most, so they stay off the heap.
     kicks: SmallVec<[u32; 8]>,
-    /// The peer the running turn found ready, connected back to its QP (that QP's number
-    /// first), and the rights it grants: the rest of the turn's requests go to it without
-    /// looking again. Nothing but an error can change what a ready peer is and grants
-    /// (`to_init` and `to_rtr` refuse a QP past RTR, and errors and destruction take the
-    /// execution lock), so the answer holds until [`Exec::error`] forgets it.
-    peer: Option<(u32, Arc<QpInner>, Access)>,
     /// How many times QPs went to the error state under this hold of the execution lock
     /// ([`Exec::error`]): a peer handed out before one is not kept ([`Exec::with_peer`]).
     errors: u64,
@@ -346,7 +364,6 @@ impl Exec<'_> {
     /// request's completion is pushed in the same critical section that gives its place
     /// up, so no poller sees it complete while it still fills the queue.
     fn run(&mut self, qp: &Arc<QpInner>) {
-        self.peer = None;
         let mut budget = TURN_BYTES;
         let mut done: Option<WorkCompletion> = None;
         loop {
@@ -372,7 +389,7 @@ impl Exec<'_> {
                 }
                 if budget == 0 && !data.sq.is_empty() {
                     drop(data);
-                    qp.send_cq.continue_later(qp.qp_num);
+                    qp.send_cq.continue_later(qp);
                     return;
                 }
                 let Some(head) = data.sq.pop_front() else {
@@ -399,7 +416,7 @@ impl Exec<'_> {
         match step {
             Step::Partial => {
                 if self.put_back(qp, head) {
-                    qp.send_cq.continue_later(qp.qp_num);
+                    qp.send_cq.continue_later(qp);
                 }
             }
             Step::Failed(status) => self.fail_head(qp, head, status),
@@ -499,7 +516,7 @@ impl Exec<'_> {
 
     /// Moves `qp` to the error state and flushes it; its peer may be waiting on it.
     fn error(&mut self, qp: &Arc<QpInner>) {
-        self.peer = None;
+        self.held.peer = None;
         self.errors += 1;
         let peer = {
             let mut data = lock(&qp.data);
@@ -575,11 +592,12 @@ impl Exec<'_> {
     /// it has one, is handed over rather than shared: [`Exec::with_peer`] keeps it again.
     fn peer(&mut self, qp: &QpInner) -> std::result::Result<(Arc<QpInner>, Access), Step> {
         if self
+            .held
             .peer
             .as_ref()
             .is_some_and(|(requester, ..)| *requester == qp.qp_num)
         {
-            if let Some((_, peer, access)) = self.peer.take() {
+            if let Some((_, peer, access)) = self.held.peer.take() {
                 return Ok((peer, access));
             }
         }
@@ -614,8 +632,8 @@ impl Exec<'_> {
     }
 
     /// Runs `op` with `qp`'s peer and the rights it grants ([`Exec::peer`]), then keeps the
-    /// answer for the turn's next request, unless `op` moved a QP to the error state (see
-    /// [`Exec::peer`]'s field). Handing the one reference over, instead of cloning it for
+    /// answer for the QP's next request, unless `op` moved a QP to the error state (see
+    /// [`Held::peer`]). Handing the one reference over, instead of cloning it for
     /// each request, spares a request two atomic updates of its count.
     fn with_peer(
         &mut self,
@@ -629,7 +647,7 @@ impl Exec<'_> {
         let errors = self.errors;
         let step = op(self, &peer, access);
         if self.errors == errors {
-            self.peer = Some((qp.qp_num, peer, access));
+            self.held.peer = Some((qp.qp_num, peer, access));
         }
         step
     }
@@ -1642,7 +1660,7 @@ impl QueuePair for LoopbackQp {
                 ex.run(inner);
             } else if spent {
                 // The turn is spent: the next poll of the send CQ runs the rest.
-                inner.send_cq.continue_later(inner.qp_num);
+                inner.send_cq.continue_later(inner);
             }
             // Otherwise a request that ran here and did not finish is back at the head
             // with the rest behind it, and `settle` has arranged what comes next.
@@ -1712,6 +1730,10 @@ impl Drop for LoopbackQp {
         }
         let inner = &self.inner;
         drive(&device, |ex| {
+            // The kept peer may be this QP or its peer (see `Held::peer`), and its send
+            // CQ may list it for another turn.
+            ex.held.peer = None;
+            inner.send_cq.forget(inner);
             {
                 let mut qps = lock(&device.qps);
                 if qps

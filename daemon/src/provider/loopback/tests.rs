@@ -1456,3 +1456,86 @@ fn a_flood_in_one_post_runs_a_turn_at_a_time() {
         (0..400).map(|i| (i, WcStatus::Success)).collect::<Vec<_>>()
     );
 }
+
+/// The device keeps the peer a QP's requests last found ready from one turn to the next
+/// (one lookup fewer for every request): a peer that went to the error state, or was
+/// destroyed, since then is not reached, and a destroyed peer's objects are gone at once.
+#[test]
+fn a_peer_that_fails_or_goes_between_requests_is_not_reached() {
+    let write = |a: &End, (remote_addr, rkey): (u64, u32), wr_id| {
+        a.post(
+            wr_id,
+            SendOp::Write {
+                remote_addr,
+                rkey,
+                imm: None,
+            },
+            vec![a.sge(0, 8)],
+        )
+        .unwrap();
+        let wc = a.wait();
+        (wc.wr_id, wc.status)
+    };
+    let opts = Opts {
+        mr_access: Access::LOCAL_WRITE | Access::REMOTE_WRITE,
+        timeout: 1,
+        retry_cnt: 0,
+        ..Opts::default()
+    };
+
+    let dev = LoopbackDevice::new("lo-peer-error");
+    let (a, b) = pair(&dev, &opts);
+    let target = (b.mr.addr(), b.mr.rkey());
+    assert_eq!(write(&a, target, 1), (1, WcStatus::Success));
+    b.qp.to_error().unwrap();
+    assert_eq!(write(&a, target, 2), (2, WcStatus::RetryExceeded));
+
+    let dev = LoopbackDevice::new("lo-peer-gone");
+    let (a, b) = pair(&dev, &opts);
+    let target = (b.mr.addr(), b.mr.rkey());
+    assert_eq!(write(&a, target, 1), (1, WcStatus::Success));
+    // The peer's MR stays: only the QP that would answer goes.
+    let End {
+        qp, cq, mr: _mr, ..
+    } = b;
+    drop((qp, cq));
+    let counts = dev.object_counts();
+    assert_eq!(
+        (counts.qps, counts.cqs),
+        (1, 1),
+        "the destroyed peer's QP and CQ are gone at once"
+    );
+    assert_eq!(write(&a, target, 2), (2, WcStatus::RetryExceeded));
+}
+
+/// A QP destroyed with the rest of a long request waiting for its CQ's next poll is not run
+/// again: the poll finds nothing to do, and the QP's objects are gone at once.
+#[test]
+fn a_qp_destroyed_with_a_turn_left_is_not_run_again() {
+    let dev = LoopbackDevice::new("lo-turn-left");
+    let opts = Opts {
+        mem: 1 << 20,
+        mr_access: Access::LOCAL_WRITE | Access::REMOTE_WRITE,
+        ..Opts::default()
+    };
+    let (a, b) = pair(&dev, &opts);
+    a.post(
+        1,
+        SendOp::Write {
+            remote_addr: b.mr.addr(),
+            rkey: b.mr.rkey(),
+            imm: None,
+        },
+        vec![a.sge(0, 512 << 10)],
+    )
+    .unwrap();
+    assert!(a.cq.needs_polling(), "the write waits for the next poll");
+    let End { qp, cq, .. } = a;
+    drop(qp);
+    assert!(!cq.needs_polling(), "a destroyed QP has no turn left");
+    let mut polled = Vec::new();
+    assert_eq!(cq.poll(&mut polled, 16).unwrap(), 0);
+    assert_eq!(dev.object_counts().qps, 1);
+    drop(cq);
+    assert_eq!(dev.object_counts().cqs, 1);
+}
