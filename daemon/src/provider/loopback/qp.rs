@@ -796,13 +796,11 @@ impl Exec<'_> {
             Ok(()) => {
                 let done = progress.done;
                 match locate(&keys, qp.pd.id, &wr.sges, done, n, Access::NONE) {
-                    Err(unlocated) => Err(Some(unlocated.gather_status())),
+                    Err(unlocated) => Err(Stopped::Gather(unlocated.gather_status())),
                     Ok(source) => {
                         match locate(&keys, peer.pd.id, &recv.sges, done, n, Access::LOCAL_WRITE) {
-                            Ok(target) => {
-                                transfer(&source, &target).map_err(Side::requester_status)
-                            }
-                            Err(_) => Err(None),
+                            Ok(target) => transfer(&source, &target).map_err(Side::stopped),
+                            Err(_) => Err(Stopped::Target),
                         }
                     }
                 }
@@ -811,14 +809,15 @@ impl Exec<'_> {
         drop(keys);
         match moved {
             Ok(()) => {}
-            Err(Some(status)) => {
+            Err(Stopped::Gather(status)) => {
                 // The message never arrives: its receive stays the responder's.
                 progress.recv = Some(recv);
                 self.give_back(qp, progress);
                 progress.recv = None;
                 return Step::Failed(status);
             }
-            Err(None) => {
+            // A SEND needs no right of the responder QP: only its receive stops it there.
+            Err(Stopped::Target | Stopped::Refused) => {
                 self.responder_error(
                     peer,
                     Some((&recv, WcOpcode::Recv)),
@@ -890,31 +889,32 @@ impl Exec<'_> {
             let done = progress.done;
             // The gather list first (the requester's own error), then the responder.
             let moved = match locate(&keys, qp.pd.id, &wr.sges, done, n, Access::NONE) {
-                Err(unlocated) => Err(Some(unlocated.gather_status())),
-                Ok(_) if denied => Err(Some(WcStatus::RemoteInvalidRequestError)),
+                Err(unlocated) => Err(Stopped::Gather(unlocated.gather_status())),
+                Ok(_) if denied => Err(Stopped::Refused),
                 Ok(source) => {
                     let at = remote.addr.wrapping_add(done);
                     match resolve_remote(&keys, peer, remote.rkey, at, n, Access::REMOTE_WRITE) {
-                        Some(target) => transfer(&source, std::slice::from_ref(&target))
-                            .map_err(Side::requester_status),
-                        None => Err(None),
+                        Some(target) => {
+                            transfer(&source, std::slice::from_ref(&target)).map_err(Side::stopped)
+                        }
+                        None => Err(Stopped::Target),
                     }
                 }
             };
             drop(keys);
-            if denied && moved == Err(Some(WcStatus::RemoteInvalidRequestError)) {
-                self.responder_error(peer, None, WcStatus::RemoteInvalidRequestError);
-                return Step::Failed(WcStatus::RemoteInvalidRequestError);
-            }
             progress.started = true;
             match moved {
                 Ok(()) => {}
-                Err(Some(status)) => {
+                Err(Stopped::Refused) => {
+                    self.responder_error(peer, None, WcStatus::RemoteInvalidRequestError);
+                    return Step::Failed(WcStatus::RemoteInvalidRequestError);
+                }
+                Err(Stopped::Gather(status)) => {
                     self.give_back(qp, progress);
                     progress.recv = None;
                     return Step::Failed(status);
                 }
-                Err(None) => {
+                Err(Stopped::Target) => {
                     let taken = progress.recv.take();
                     let consumed = taken.as_ref().map(|r| (r, WcOpcode::RecvRdmaWithImm));
                     self.responder_error(peer, consumed, WcStatus::RemoteAccessError);
@@ -1305,11 +1305,26 @@ enum Side {
 }
 
 impl Side {
-    /// What the requester completes with when its own gather list failed a transfer;
-    /// `None` for the target (each caller knows what the responder sees).
-    fn requester_status(self) -> Option<WcStatus> {
-        (self == Side::Source).then_some(WcStatus::LocalProtectionError)
+    /// Why a SEND's or WRITE's chunk stopped when `self` failed its transfer.
+    fn stopped(self) -> Stopped {
+        match self {
+            Side::Source => Stopped::Gather(WcStatus::LocalProtectionError),
+            Side::Target => Stopped::Target,
+        }
     }
+}
+
+/// Why a SEND's or WRITE's chunk did not move.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Stopped {
+    /// The requester's own gather list failed: it completes with this status and the
+    /// responder sees nothing.
+    Gather(WcStatus),
+    /// The responder QP does not grant the operation (`qp_access_flags`).
+    Refused,
+    /// The responder's side failed (the rkey and what it reaches, or the receive's
+    /// scatter list): what each side completes with is the operation's.
+    Target,
 }
 
 /// Copies a message from its source pieces to its target pieces, piece by piece, in one
