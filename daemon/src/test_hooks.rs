@@ -10,6 +10,11 @@
 //! - `RDMAD_TEST_SLOW_DEVICE_MS=N`: every loopback registration and queue-pair creation
 //!   takes N ms more, as on a slow device. The daemon logs when each such operation starts
 //!   to wait (`test hook: ibv_reg_mr takes …`) and when it is done (`… done`).
+//! - `RDMAD_TEST_SLOW_RELEASE_MS=N`: each release of freed regions takes N ms more (a slow
+//!   deregistration), and an allocation refused for want of room waits 2N ms before it
+//!   looks at the releases under way — so the release it was refused for ends in between,
+//!   the race an allocation right after a `Free` must survive. The daemon logs the wait
+//!   (`test hook: a refused allocation waits …`).
 
 #[cfg(debug_assertions)]
 use std::sync::OnceLock;
@@ -61,6 +66,30 @@ pub fn slow_device(operation: &str) {
     }
     #[cfg(not(debug_assertions))]
     let _ = operation;
+}
+
+/// A release of freed regions that takes longer (see the module documentation).
+pub fn slow_release() {
+    #[cfg(debug_assertions)]
+    if let Some(delay) = release_delay() {
+        std::thread::sleep(delay);
+    }
+}
+
+/// An allocation refused for want of room that looks at the releases under way only after
+/// the slow release it was refused for has ended (see the module documentation).
+pub fn refused_allocation() {
+    #[cfg(debug_assertions)]
+    if let Some(delay) = release_delay() {
+        tracing::warn!("test hook: a refused allocation waits {:?}", delay * 2);
+        std::thread::sleep(delay * 2);
+    }
+}
+
+#[cfg(debug_assertions)]
+fn release_delay() -> Option<Duration> {
+    static DELAY: OnceLock<Option<Duration>> = OnceLock::new();
+    from_env(&DELAY, "RDMAD_TEST_SLOW_RELEASE_MS")
 }
 
 /// A delay in milliseconds from the environment variable `name`, read once into `slot`.

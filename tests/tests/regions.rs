@@ -5,7 +5,7 @@
 use futures_util::StreamExt;
 use rdmad_client::proxy::ManagerProxy;
 use rdmad_tests::client::Client;
-use rdmad_tests::daemon::{object_counts, start_on};
+use rdmad_tests::daemon::{object_counts, start_on, start_with_env};
 use rdmad_tests::NOBODY;
 use serde_json::Value;
 
@@ -20,6 +20,8 @@ rdmad::on_both_providers!(async
         / rxe_concurrent_requests_from_one_uid_never_overshoot,
     an_allocation_right_after_a_free_gets_its_room
         / rxe_an_allocation_right_after_a_free_gets_its_room,
+    a_release_ending_while_an_allocation_is_refused_still_gives_its_room
+        / rxe_a_release_ending_while_an_allocation_is_refused_still_gives_its_room,
     sigkill_releases_everything_within_a_second / rxe_sigkill_releases_everything_within_a_second,
     authorization_matrix / rxe_authorization_matrix,
     rdmactl_shows_and_controls_sessions_regions_and_keys
@@ -295,6 +297,37 @@ mod bodies {
             (one["used"].as_u64(), one["regions"].as_u64()),
             (Some(16 << 20), Some(1))
         );
+    }
+
+    /// The race behind the test above, made certain: the release of a freed region ends
+    /// after the next allocation was refused for the room it holds, but before that
+    /// allocation looks at the releases under way (`RDMAD_TEST_SLOW_RELEASE_MS`). The
+    /// allocation still gets the room, and the quota then shows one region.
+    pub async fn a_release_ending_while_an_allocation_is_refused_still_gives_its_room(
+        provider: &str,
+    ) {
+        let (bus, d) = start_with_env(
+            provider,
+            &format!("{COLD}[quota.default]\nregions = 1\n"),
+            vec![("RDMAD_TEST_SLOW_RELEASE_MS", "300".to_owned())],
+        )
+        .await;
+        let mut alice = Client::start(&bus, Some(NOBODY));
+        alice.ok("open");
+        alice.ok("alloc cold 4096");
+        alice.ok("free 0");
+        alice.ok("alloc cold 4096");
+        // The refusal happened, and the release ended during its wait.
+        d.wait_for_log("test hook: a refused allocation waits", 1)
+            .await;
+        let quota = alice.ok("quota 65534");
+        let regions = quota
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|q| q["name"] == "regions")
+            .unwrap();
+        assert_eq!(regions["used"].as_u64(), Some(1), "{quota}");
     }
 
     /// 64 requests racing for 10 regions: exactly 10 succeed.

@@ -6,9 +6,9 @@
 //!
 //! Whoever reads counts, quota or pool use waits first for the releases queued before the
 //! read ([`Releaser::settled`]): a client that frees and then looks sees the freed memory
-//! gone. An allocation that a quota or a full pool would refuse while releases are queued
-//! waits for them and tries once more, so freeing and then allocating never fails for
-//! memory that is on its way out.
+//! gone. An allocation that a quota or a full pool refuses while releases are queued (when
+//! it began, or when it was refused: one may end in between) waits for them and tries once
+//! more, so freeing and then allocating never fails for memory that is on its way out.
 
 use std::collections::VecDeque;
 use std::sync::{Arc, Condvar, Mutex};
@@ -173,6 +173,7 @@ impl Shared {
                 return;
             };
             drop(mrs);
+            crate::test_hooks::slow_release();
             for device in devices {
                 device.retry_lingering();
             }

@@ -6,6 +6,15 @@ use super::*;
 /// again before the refusal stands.
 const SETTLE_ATTEMPTS: u32 = 16;
 
+/// Whether `e` refused an allocation for want of room (a quota, a full pool), which memory
+/// still being released may give back.
+fn wants_room(e: &EngineError) -> bool {
+    matches!(
+        e,
+        EngineError::Quota(_) | EngineError::Pool(PoolError::Exhausted { .. })
+    )
+}
+
 impl Engine {
     /// Opens a session for `owner`, within `limits`.
     pub fn open_session(&self, owner: &Owner, limits: &Limits) -> Result<SessionId, EngineError> {
@@ -64,6 +73,7 @@ impl Engine {
         let pool = self.pool(pool)?;
         let mut waits = 0;
         loop {
+            let releasing = self.releaser.pending();
             match self
                 .registry
                 .allocate(owner, limits, pools, session, pool, size)
@@ -72,7 +82,11 @@ impl Engine {
                 // may take the room first (a user's many clients freeing and allocating at
                 // once), so this repeats while releases are queued, a bounded number of
                 // times.
-                Err(e) if waits < SETTLE_ATTEMPTS && self.room_on_its_way(&e) => {
+                Err(e) if waits < SETTLE_ATTEMPTS && wants_room(&e) => {
+                    crate::test_hooks::refused_allocation();
+                    if !self.room_on_its_way(releasing) {
+                        return Err(e);
+                    }
                     waits += 1;
                     self.settled();
                 }
@@ -96,22 +110,22 @@ impl Engine {
         size: u64,
     ) -> Result<Option<Handout>, EngineError> {
         let pool = self.pool(pool)?;
+        let releasing = self.releaser.pending();
         match self
             .registry
             .allocate_warm(owner, limits, pools, session, pool, size)
         {
-            Err(e) if self.room_on_its_way(&e) => Ok(None),
+            Err(e) if wants_room(&e) && self.room_on_its_way(releasing) => Ok(None),
             result => result,
         }
     }
 
-    /// Whether `e` refused an allocation for want of room that memory still being released
-    /// may give back: waiting for the releases (`settled`) and trying again may succeed.
-    fn room_on_its_way(&self, e: &EngineError) -> bool {
-        matches!(
-            e,
-            EngineError::Quota(_) | EngineError::Pool(PoolError::Exhausted { .. })
-        ) && self.releaser.pending()
+    /// Whether an allocation refused for want of room may find it once the releases of
+    /// freed memory are done (`settled`): some were under way when the attempt began
+    /// (`releasing`), or are now. Both looks count: a release that ends between the
+    /// refusal and the second look gave the room back all the same.
+    fn room_on_its_way(&self, releasing: bool) -> bool {
+        releasing || self.releaser.pending()
     }
 
     /// Frees region `id` (`owner`'s connection's); returns what was removed. Returns once

@@ -1315,7 +1315,7 @@ impl Side {
 }
 
 /// Why a SEND's or WRITE's chunk did not move.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy)]
 enum Stopped {
     /// The requester's own gather list failed: it completes with this status and the
     /// responder sees nothing.
