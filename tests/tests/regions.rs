@@ -35,6 +35,13 @@ mod bodies {
     /// accepts uids that have a passwd entry.
     const OTHER: u32 = 1;
 
+    /// The entry of a listing (`pools`, `quota UID`) whose `name` is `name`.
+    fn named<'a>(list: &'a Value, name: &str) -> &'a Value {
+        list.as_array()
+            .and_then(|entries| entries.iter().find(|e| e["name"] == name))
+            .unwrap_or_else(|| panic!("no {name:?} in {list}"))
+    }
+
     /// Pools without warm regions, so provider counts are exact at every moment.
     const COLD: &str = "[[pool]]\nname = \"cold\"\ncapacity = \"64MiB\"\n\
                     size_classes = [\"4KiB\", \"64KiB\", \"1MiB\"]\n";
@@ -61,12 +68,7 @@ mod bodies {
             (Some("cold"), Some(4096), Some(100))
         );
         let pools = alice.ok("pools");
-        let cold = pools
-            .as_array()
-            .unwrap()
-            .iter()
-            .find(|p| p["name"] == "cold")
-            .unwrap();
+        let cold = named(&pools, "cold");
         assert_eq!(
             (cold["used"].as_u64(), cold["regions"].as_u64()),
             (Some(4096), Some(1))
@@ -110,12 +112,7 @@ mod bodies {
         // it), the pages are gone. Before, the kept mappings may still show alice's own
         // bytes, never anyone else's.
         let quota = alice.ok("quota 65534");
-        let regions = quota
-            .as_array()
-            .unwrap()
-            .iter()
-            .find(|q| q["name"] == "regions");
-        assert_eq!(regions.unwrap()["used"], 0, "{quota}");
+        assert_eq!(named(&quota, "regions")["used"], 0, "{quota}");
         for n in 0..16 {
             let pool = if n % 2 == 0 { "cold" } else { "warm" };
             bob.ok(&format!("alloc {pool} 4096"));
@@ -243,12 +240,7 @@ mod bodies {
          (set by quota.default.regions); raise quota.user.nobody.regions to allow more"
     );
         let quota = alice.ok("quota 65534");
-        let regions = quota
-            .as_array()
-            .unwrap()
-            .iter()
-            .find(|q| q["name"] == "regions")
-            .unwrap();
+        let regions = named(&quota, "regions");
         assert_eq!(
             (regions["limit"].as_u64(), regions["used"].as_u64()),
             (Some(2), Some(2))
@@ -277,15 +269,7 @@ mod bodies {
         }
         alice.ok(&format!("alloc one {}", 16 << 20));
         let quota = alice.ok("quota 65534");
-        let used = |name: &str| {
-            quota
-                .as_array()
-                .unwrap()
-                .iter()
-                .find(|q| q["name"] == name)
-                .unwrap()["used"]
-                .as_u64()
-        };
+        let used = |name: &str| named(&quota, name)["used"].as_u64();
         assert_eq!(
             (used("regions"), used("registered_bytes")),
             (Some(1), Some(16 << 20)),
@@ -321,13 +305,11 @@ mod bodies {
         d.wait_for_log("test hook: a refused allocation waits", 1)
             .await;
         let quota = alice.ok("quota 65534");
-        let regions = quota
-            .as_array()
-            .unwrap()
-            .iter()
-            .find(|q| q["name"] == "regions")
-            .unwrap();
-        assert_eq!(regions["used"].as_u64(), Some(1), "{quota}");
+        assert_eq!(
+            named(&quota, "regions")["used"].as_u64(),
+            Some(1),
+            "{quota}"
+        );
     }
 
     /// 64 requests racing for 10 regions: exactly 10 succeed.
