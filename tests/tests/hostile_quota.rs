@@ -18,6 +18,8 @@ use serde_json::Value;
 rdmad::on_both_providers!(async
     exports_past_the_quota_are_refused_and_another_user_still_exports
         / rxe_exports_past_the_quota_are_refused_and_another_user_still_exports,
+    regions_freed_under_receives_still_count_until_the_receives_go
+        / rxe_regions_freed_under_receives_still_count_until_the_receives_go,
 );
 
 /// A second unprivileged user, present on every Debian system (`daemon`).
@@ -133,6 +135,69 @@ mod bodies {
         let quota = admin.ok(&format!("quota {OTHER}"));
         assert_eq!(use_of(&quota_entry(&quota, "exports")), expected(1));
         other.ok(&format!("unexport 0 {}", theirs[3]));
+    }
+
+    /// A user who posts receives into its regions on a QP no message will ever come to, and
+    /// frees the regions, still holds their memory: the receives pin it. It counts against
+    /// the user's quota until the receives go (with their QP), so freeing and allocating
+    /// again cannot take the user past its quota; another user allocates as before, and
+    /// the operator sees the use.
+    pub async fn regions_freed_under_receives_still_count_until_the_receives_go(provider: &str) {
+        const REGIONS: u64 = 3;
+        let (bus, _d) =
+            start_on(provider, &format!("[quota.default]\nregions = {REGIONS}\n")).await;
+        let mut tenant = Client::start(&bus, Some(NOBODY));
+        let mut other = Client::start(&bus, Some(OTHER));
+        let mut admin = Client::start(&bus, None);
+        let device = admin.ok("devices")[0]["name"].as_str().unwrap().to_owned();
+        tenant.ok("open");
+        other.ok("open");
+        for _ in 0..REGIONS {
+            tenant.ok("alloc default 4096");
+        }
+        for _ in 0..2 {
+            tenant.ok(&format!("qp {device} 16 16"));
+        }
+        let (e0, e1) = (tenant.ok("endpoint 0"), tenant.ok("endpoint 1"));
+        tenant.ok(&format!("connect 0 {e1}"));
+        tenant.ok(&format!("connect 1 {e0}"));
+        for r in 0..REGIONS {
+            tenant.ok(&format!("post 0 recv {r} 0 64 {r}"));
+        }
+        for r in 0..REGIONS {
+            tenant.ok(&format!("free {r}"));
+        }
+        let regions_used = |admin: &mut Client| {
+            use_of(&quota_entry(
+                &admin.ok(&format!("quota {NOBODY}")),
+                "regions",
+            ))
+            .0
+        };
+        assert_eq!(regions_used(&mut admin), REGIONS, "the receives hold them");
+        let refused = tenant.err("alloc default 4096", "org.rdmad1.Error.QuotaExceeded");
+        assert!(
+            refused.contains(&format!(
+                "{REGIONS} in use, 1 more requested, limit {REGIONS}"
+            )),
+            "{refused}"
+        );
+        other.ok("alloc default 4096");
+
+        // The QP goes, and its receives with it: the memory is given back.
+        tenant.ok("destroy 0");
+        assert_eq!(regions_used(&mut admin), 0);
+        for _ in 0..REGIONS {
+            tenant.ok("alloc default 4096");
+        }
+
+        // The same when the tenant dies with receives posted into freed regions.
+        tenant.ok(&format!("post 1 recv {REGIONS} 0 64 9"));
+        tenant.ok(&format!("free {REGIONS}"));
+        assert_eq!(regions_used(&mut admin), REGIONS);
+        tenant.kill();
+        wait_for_sessions(&bus, 1).await;
+        assert_eq!(regions_used(&mut admin), 0);
     }
 }
 

@@ -265,9 +265,10 @@ impl Engine {
     /// go first, whatever the data-path workers do: their rkeys die at once, and no window
     /// is left to outlive its memory. Then the workers let go of the removed QPs (bounded:
     /// a worker that does not in time keeps its QPs until it does, and then destroys them
-    /// itself), then the QPs go, then the registrations; then what the devices refused to
-    /// destroy is tried again. The removed sessions count as sessions until all that is
-    /// done.
+    /// itself), then the QPs go, then the registrations (but for those a request still in
+    /// flight holds: the release thread keeps them, and what they hold of quotas and pools,
+    /// until it is let go); then what the devices refused to destroy is tried again. The
+    /// removed sessions count as sessions until all that is done.
     fn release(&self, teardown: registry::Teardown<'_>) -> Removed {
         let registry::Teardown {
             removed,
@@ -276,9 +277,8 @@ impl Engine {
                     windows,
                     registrations,
                     qps,
-                    mrs,
+                    freed,
                     domains,
-                    settlements,
                 },
             releasing,
         } = teardown;
@@ -290,9 +290,26 @@ impl Engine {
             }
         }
         drop(qps);
-        drop(mrs);
+        // Regions that requests still in flight (another session's, through an
+        // attachment) hold go to the release thread, which keeps them until they are let
+        // go; the rest go now.
+        let (now, held): (Vec<_>, Vec<_>) = freed.into_iter().partition(registry::Freed::unpinned);
+        let settlements: Vec<_> = now
+            .into_iter()
+            .filter_map(|registry::Freed { mr, settlement }| {
+                drop(mr);
+                settlement
+            })
+            .collect();
         drop(domains);
         self.registry.settle(settlements);
+        if !held.is_empty() {
+            self.releaser.release(releaser::Deferred { freed: held });
+        } else if !removed.qps.is_empty() {
+            // The removed QPs' requests let go of what they held: look again at the
+            // regions kept for requests in flight.
+            self.releaser.look_again();
+        }
         self.retry_lingering();
         drop(releasing);
         self.listeners.close_sessions(&removed.sessions);
@@ -300,8 +317,8 @@ impl Engine {
     }
 
     /// Releases a teardown that removed regions only: windows now (no peer may reach the
-    /// memory once this returns), the registrations and memory on the release thread, and
-    /// the quota and pool use they hold after that.
+    /// memory once this returns), the registrations and memory on the release thread once
+    /// no request in flight holds them, and the quota and pool use they hold after that.
     fn release_later(&self, teardown: registry::Teardown<'_>) -> Removed {
         if !teardown.removed.qps.is_empty() || !teardown.removed.sessions.is_empty() {
             return self.release(teardown);
@@ -313,9 +330,8 @@ impl Engine {
                     windows,
                     registrations,
                     qps,
-                    mrs,
+                    freed,
                     domains,
-                    settlements,
                 },
             releasing,
         } = teardown;
@@ -323,8 +339,7 @@ impl Engine {
         drop(registrations);
         drop(qps);
         drop(domains);
-        self.releaser
-            .release(releaser::Deferred { mrs, settlements });
+        self.releaser.release(releaser::Deferred { freed });
         drop(releasing);
         removed
     }

@@ -4,27 +4,40 @@
 //! its owner's quota and of its pool ([`Settlement`]) is given back only after that, when
 //! the memory is really gone.
 //!
+//! A registration that a request still in flight holds (a receive posted into the region,
+//! say, that no message has come for) is *kept*: the thread lets go of it, and gives back
+//! what it holds, only once the request has let go of it too — when it completes, or its
+//! QP goes. Until then the region's memory is still there, and so it still counts against
+//! its owner's quota and its pool: freeing regions under requests that never complete
+//! cannot take a user past its quota.
+//!
 //! Whoever reads counts, quota or pool use waits first for the releases queued before the
-//! read ([`Releaser::settled`]): a client that frees and then looks sees the freed memory
-//! gone. An allocation that a quota or a full pool refuses while releases are queued (when
-//! it began, or when it was refused: one may end in between) waits for them and tries once
-//! more, so freeing and then allocating never fails for memory that is on its way out.
+//! read ([`Releaser::settled`]), and for a look at the kept registrations: a client that
+//! frees and then looks sees the freed memory gone. An allocation that a quota or a full
+//! pool refuses while releases are queued or registrations kept (when it began, or when it
+//! was refused: one may end in between) waits for them and tries again, so freeing and
+//! then allocating never fails for memory that is on its way out.
 
 use std::collections::VecDeque;
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
-use super::registry::{Registry, Settlement};
+use super::registry::{Freed, Registry};
 use crate::lock::lock;
-use crate::provider::{Device, MemoryRegion};
+use crate::provider::Device;
 
 /// How long a reader waits for queued releases before it reads anyway (and says so).
 const SETTLE_WAIT: Duration = Duration::from_secs(30);
 
-/// Registrations to drop, and what they hold of quotas and pools, given back after.
+/// How often the thread looks at the registrations it keeps for requests in flight, when
+/// nothing else makes it look (a release, a reader, a QP's removal).
+const KEPT_LOOK: Duration = Duration::from_millis(100);
+
+/// Registrations to drop, each with what it holds of quotas and pools, given back after.
+/// An empty one makes the thread look at the registrations it keeps.
+#[derive(Default)]
 pub(super) struct Deferred {
-    pub mrs: Vec<Arc<dyn MemoryRegion>>,
-    pub settlements: Vec<Settlement>,
+    pub freed: Vec<Freed>,
 }
 
 #[derive(Default)]
@@ -36,6 +49,8 @@ struct Queue {
     stop: bool,
     /// Callers of `settled` waiting now.
     waiting: usize,
+    /// Registrations the thread keeps because requests in flight still hold them.
+    kept: usize,
 }
 
 /// The release thread and its queue; dropping it finishes the queue and stops the thread.
@@ -93,23 +108,50 @@ impl Releaser {
     /// Queues `deferred`; returns at once.
     pub fn release(&self, deferred: Deferred) {
         let mut q = lock(&self.shared.queue);
-        q.work.push_back(deferred);
-        q.queued += 1;
+        Self::queue(&mut q, deferred);
         drop(q);
         self.shared.wake.notify_one();
     }
 
-    /// Whether releases are queued or under way.
-    pub fn pending(&self) -> bool {
-        let q = lock(&self.shared.queue);
-        q.done < q.queued
+    fn queue(q: &mut Queue, deferred: Deferred) {
+        q.work.push_back(deferred);
+        q.queued += 1;
     }
 
-    /// Waits until every release queued before this call is done (at most [`SETTLE_WAIT`]).
-    /// Never call it holding the registry's lock: the releaser settles under it.
+    /// Has the thread look at the registrations it keeps, if it keeps any (requests in
+    /// flight may have let go of them: a QP was removed).
+    pub fn look_again(&self) {
+        let mut q = lock(&self.shared.queue);
+        if q.kept > 0 {
+            Self::queue(&mut q, Deferred::default());
+            drop(q);
+            self.shared.wake.notify_one();
+        }
+    }
+
+    /// Whether releases are queued or under way, or registrations kept for requests in
+    /// flight.
+    pub fn pending(&self) -> bool {
+        let q = lock(&self.shared.queue);
+        q.done < q.queued || q.kept > 0
+    }
+
+    /// How many registrations of freed regions requests in flight still hold.
+    #[cfg(test)]
+    pub fn kept(&self) -> usize {
+        lock(&self.shared.queue).kept
+    }
+
+    /// Waits until every release queued before this call is done, and the thread has
+    /// looked at the registrations it keeps since (at most [`SETTLE_WAIT`]). Never call it
+    /// holding the registry's lock: the releaser settles under it.
     pub fn settled(&self) {
         let deadline = Instant::now() + SETTLE_WAIT;
         let mut q = lock(&self.shared.queue);
+        if q.kept > 0 {
+            Self::queue(&mut q, Deferred::default());
+            self.shared.wake.notify_one();
+        }
         let ticket = q.queued;
         q.waiting += 1;
         while q.done < ticket && !q.stop {
@@ -151,34 +193,85 @@ impl Releaser {
     }
 }
 
+/// What the thread does next.
+enum Next {
+    /// A queued release (a ticket).
+    Release(Deferred),
+    /// A look at the kept registrations, on the thread's own time.
+    Look,
+    Stop,
+}
+
 impl Shared {
     fn run(&self, registry: &Registry, devices: &[Arc<dyn Device>]) {
+        let mut kept: Vec<Freed> = Vec::new();
         loop {
             let next = {
                 let mut q = lock(&self.queue);
                 loop {
                     if let Some(d) = q.work.pop_front() {
-                        break Some(d);
+                        break Next::Release(d);
                     }
                     if q.stop {
-                        break None;
+                        break Next::Stop;
                     }
-                    q = self
+                    if kept.is_empty() {
+                        q = self
+                            .wake
+                            .wait(q)
+                            .unwrap_or_else(std::sync::PoisonError::into_inner);
+                        continue;
+                    }
+                    let (again, waited) = self
                         .wake
-                        .wait(q)
+                        .wait_timeout(q, KEPT_LOOK)
                         .unwrap_or_else(std::sync::PoisonError::into_inner);
+                    q = again;
+                    if waited.timed_out() && q.work.is_empty() {
+                        break Next::Look;
+                    }
                 }
             };
-            let Some(Deferred { mrs, settlements }) = next else {
-                return;
+            let ticket = match next {
+                Next::Release(Deferred { freed }) => {
+                    for f in &freed {
+                        if !f.unpinned() {
+                            tracing::debug!(
+                                "a freed region's registration is held by a request in                                  flight: kept, and counted, until the request lets go of it"
+                            );
+                        }
+                    }
+                    kept.extend(freed);
+                    true
+                }
+                Next::Look => false,
+                // What requests still hold goes when they let go of it.
+                Next::Stop => return,
             };
-            drop(mrs);
-            crate::test_hooks::slow_release();
+            let (now, still): (Vec<Freed>, Vec<Freed>) = std::mem::take(&mut kept)
+                .into_iter()
+                .partition(Freed::unpinned);
+            kept = still;
+            let settlements: Vec<_> = now
+                .into_iter()
+                .filter_map(|Freed { mr, settlement }| {
+                    drop(mr);
+                    settlement
+                })
+                .collect();
+            if ticket {
+                crate::test_hooks::slow_release();
+            }
             for device in devices {
                 device.retry_lingering();
             }
             registry.settle(settlements);
-            lock(&self.queue).done += 1;
+            let mut q = lock(&self.queue);
+            q.kept = kept.len();
+            if ticket {
+                q.done += 1;
+            }
+            drop(q);
             self.settled.notify_all();
         }
     }
@@ -255,8 +348,10 @@ mod tests {
         let releaser = Releaser::spawn(Arc::new(Registry::default()), Vec::new()).unwrap();
         let (mr, go, dropped) = slow_mr();
         releaser.release(Deferred {
-            mrs: vec![mr],
-            settlements: Vec::new(),
+            freed: vec![Freed {
+                mr,
+                settlement: None,
+            }],
         });
         assert!(releaser.pending(), "the deregistration is held back");
         assert!(dropped.try_recv().is_err());
@@ -280,8 +375,10 @@ mod tests {
         let releaser = Releaser::spawn(Arc::new(Registry::default()), Vec::new()).unwrap();
         let (mr, go, dropped) = slow_mr();
         releaser.release(Deferred {
-            mrs: vec![mr],
-            settlements: Vec::new(),
+            freed: vec![Freed {
+                mr,
+                settlement: None,
+            }],
         });
         go.send(()).unwrap();
         releaser.stop();

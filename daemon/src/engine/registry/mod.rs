@@ -192,11 +192,28 @@ pub struct Garbage {
     /// do, so they go as early, even when the regions' own registrations go later.
     pub registrations: Vec<Arc<dyn MemoryRegion>>,
     pub qps: Vec<Arc<QueuePairRecord>>,
-    pub mrs: Vec<Arc<dyn MemoryRegion>>,
+    /// Removed regions' registrations, each with what it holds of quotas and pools.
+    pub freed: Vec<Freed>,
     /// Sessions' own protection domains nothing is in any more.
     pub domains: Vec<Arc<dyn ProtectionDomain>>,
-    /// Given back once `mrs` are gone: [`Registry::settle`].
-    pub settlements: Vec<Settlement>,
+}
+
+/// A removed region's registration (which keeps its memory), and what the region holds of
+/// its owner's quota and of its pool until the registration is gone: given back
+/// ([`Registry::settle`]) only once nothing else holds the registration — a request still
+/// in flight on a data path pins it — so the memory a user holds never exceeds its quota.
+pub struct Freed {
+    pub mr: Arc<dyn MemoryRegion>,
+    pub settlement: Option<Settlement>,
+}
+
+impl Freed {
+    /// Whether the registration is held by nothing but this: once it is, nothing can take
+    /// it again (the registry and every rights snapshot let go of it before), so dropping
+    /// it releases the registration and its memory.
+    pub fn unpinned(&self) -> bool {
+        Arc::strong_count(&self.mr) == 1
+    }
 }
 
 /// What a removed region still holds until its registration and memory are gone: one
@@ -240,9 +257,8 @@ impl Garbage {
         self.windows.extend(other.windows);
         self.registrations.extend(other.registrations);
         self.qps.extend(other.qps);
-        self.mrs.extend(other.mrs);
+        self.freed.extend(other.freed);
         self.domains.extend(other.domains);
-        self.settlements.extend(other.settlements);
     }
 
     /// Takes every window out of queue pair `qp` (being removed) and out of its regions'
@@ -379,7 +395,7 @@ impl Registry {
 
     /// Gives back what removed regions held of quotas and pools, now that their
     /// registrations and memory are gone.
-    pub fn settle(&self, settlements: Vec<Settlement>) {
+    pub fn settle(&self, settlements: impl IntoIterator<Item = Settlement>) {
         for Settlement { uid, size, pool } in settlements {
             self.unreserve(
                 uid,

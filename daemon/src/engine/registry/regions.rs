@@ -43,11 +43,13 @@ impl Registry {
             usage.sub(QuotaKind::Keys, region.keys.len() as u64);
             usage.sub(QuotaKind::Exports, region.exports.len() as u64);
         }
-        garbage.mrs.push(region.mr);
-        garbage.settlements.push(Settlement {
-            uid: region.owner_uid,
-            size,
-            pool: region.pool,
+        garbage.freed.push(Freed {
+            mr: region.mr,
+            settlement: Some(Settlement {
+                uid: region.owner_uid,
+                size,
+                pool: region.pool,
+            }),
         });
         Some(garbage)
     }

@@ -251,6 +251,57 @@ const POOL: &str = "[[pool]]\nname = \"p\"\ncapacity = \"64MiB\"\n\
 const COLD_POOL: &str = "[[pool]]\nname = \"p\"\ncapacity = \"64MiB\"\n\
                          size_classes = [\"4KiB\", \"1MiB\"]\n";
 
+/// A region freed (or whose session closed) while something still holds its registration —
+/// a request in flight on a data path, here a clone of it — stays counted against its
+/// owner's quota and its pool, so freeing under requests that never complete cannot take
+/// a user past its quota; readers do not wait for it. Once let go, the next reader (or
+/// allocation) finds the room given back.
+#[test]
+fn a_freed_region_a_request_still_holds_counts_until_it_is_let_go() {
+    let engine = Arc::new(engine_on(
+        ProviderChoice::Loopback,
+        "[[pool]]\nname = \"p\"\ncapacity = \"1MiB\"\nsize_classes = [\"4KiB\"]\n\
+         [quota.default]\nregions = 2\n",
+    ));
+    let pool = Arc::clone(engine.pool("p").unwrap());
+    let alice = Tenant::new(&engine, caller(1000, ":1.1"));
+    let s = alice.open_session();
+    let allocate = || engine.allocate(&alice.owner, &alice.limits, &alice.pools, s, "p", 4096);
+    let mrs_before = engine.provider_counts().mrs;
+    let first = allocate().unwrap();
+    let held = engine.registry.region_mr(first.region).unwrap();
+    alice.free(first.region).unwrap();
+    assert_eq!(pool.stats().used, 4096, "its memory is still there");
+    assert_eq!(engine.provider_counts().mrs, mrs_before + 1);
+    assert_eq!(engine.releaser.kept(), 1);
+    let second = allocate().unwrap();
+    let refused = allocate().unwrap_err();
+    assert!(matches!(refused, EngineError::Quota(_)), "{refused}");
+
+    // The same when its session closes.
+    let held_too = engine.registry.region_mr(second.region).unwrap();
+    alice.close_session(s).unwrap();
+    engine.settled();
+    assert_eq!(pool.stats().used, 2 * 4096);
+    let t = alice.open_session();
+    let refused = engine
+        .allocate(&alice.owner, &alice.limits, &alice.pools, t, "p", 4096)
+        .unwrap_err();
+    assert!(matches!(refused, EngineError::Quota(_)), "{refused}");
+
+    drop(held);
+    engine.settled();
+    assert_eq!(pool.stats().used, 4096, "the first is gone");
+    drop(held_too);
+    let third = engine
+        .allocate(&alice.owner, &alice.limits, &alice.pools, t, "p", 4096)
+        .expect("the room the second held, given back before the allocation gives up");
+    engine.settled();
+    assert_eq!(pool.stats().used, 4096, "the third alone");
+    assert_eq!(engine.provider_counts().mrs, mrs_before + 1);
+    assert!(engine.registry.region_mr(third.region).is_some());
+}
+
 /// `Free` returns while the region's registration is still being released (here the
 /// release thread is held by a slow deregistration queued before it), and the quota and
 /// the pool count the region until the release is done; an allocation that only this
@@ -273,8 +324,10 @@ fn free_returns_before_the_release_and_the_next_allocation_waits_for_it() {
     let first = allocate(&engine).unwrap();
     let (slow, go, dropped) = slow_mr();
     engine.releaser.release(Deferred {
-        mrs: vec![slow],
-        settlements: Vec::new(),
+        freed: vec![crate::engine::registry::Freed {
+            mr: slow,
+            settlement: None,
+        }],
     });
     engine.free(&alice.owner, first.region).unwrap();
     assert!(engine.releases_pending());
