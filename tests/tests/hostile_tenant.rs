@@ -28,6 +28,13 @@ async fn a_punched_hugepage_region_never_faults_the_daemon() {
     bodies::a_punched_hugepage_region_never_faults_the_daemon().await
 }
 
+/// On loopback only: the bound is the D-Bus layer's, whatever the device (and loopback0
+/// retries a receiver-not-ready for ever, as an RC QP with `rnr_retry` 7 does anywhere).
+#[tokio::test(flavor = "multi_thread")]
+async fn exports_behind_a_stuck_send_queue_never_hold_a_neighbours_calls() {
+    bodies::exports_behind_a_stuck_send_queue_never_hold_a_neighbours_calls().await
+}
+
 mod bodies {
     use std::time::Duration;
 
@@ -205,6 +212,84 @@ mod bodies {
     /// kept. The host's `Shmem` ends within 128 MiB of where it started (one region in
     /// flight plus the pool's warm set; keeping them alive would be 3.2 GiB, or 1 GiB),
     /// rdmad's accounting says nothing is left, and the victim's allocation still succeeds.
+    /// A window bind goes through the queue pair's send queue, and waits there behind what
+    /// the client queued: a SEND its peer never posts a receive for is retried for ever,
+    /// so the bind never runs. The attacker asks for 600 exports through such a queue pair
+    /// at once: at most 4 of them wait on rdmad's threads (the operator sees 4 exports in
+    /// use at the most), the rest wait their turn without one, and another user's calls
+    /// that need a thread — creating a queue pair, allocating where no warm region is
+    /// ready, freeing — are answered at once. The attacker's session then goes cleanly, and
+    /// the daemon stops within 5 s.
+    pub async fn exports_behind_a_stuck_send_queue_never_hold_a_neighbours_calls() {
+        const CALLS: u64 = 600;
+        const WINDOW_WORK_PER_USER: u64 = 4;
+        let config = format!(
+            "[[pool]]\nname = \"cold\"\ncapacity = \"16MiB\"\nsize_classes = [\"4KiB\"]\n\
+             [quota.default]\nexports = {CALLS}\n"
+        );
+        let (bus, daemon) = start_on("loopback", &config).await;
+        let mut attacker = with_connected_qps(&bus, NOBODY, "cold", 4096);
+        let mut victim = Client::start(&bus, Some(VICTIM));
+        let mut admin = Client::start(&bus, None);
+        victim.ok("open");
+        let dev = device(&mut victim);
+
+        // Its peer has no receive: the SEND is retried for ever, the send queue stuck.
+        attacker.ok("post 0 send 0 0 64 1");
+        assert_eq!(
+            attacker.ok(&format!("exports-unanswered {CALLS} 0 0")),
+            CALLS
+        );
+        let exports_in_use = |admin: &mut Client| {
+            let quota = admin.ok(&format!("quota {NOBODY}"));
+            quota
+                .as_array()
+                .unwrap()
+                .iter()
+                .find(|q| q["name"] == "exports")
+                .unwrap_or_else(|| panic!("no exports in {quota}"))["used"]
+                .as_u64()
+                .unwrap()
+        };
+        // The binds under way reserve their exports: wait until they fill their turns.
+        let deadline = std::time::Instant::now() + rdmad_tests::TIMEOUT;
+        let mut in_use = exports_in_use(&mut admin);
+        while in_use < WINDOW_WORK_PER_USER {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "{in_use} binds under way"
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+            in_use = exports_in_use(&mut admin);
+        }
+
+        for call in [
+            format!("qp {dev} 16 16"),
+            "alloc cold 4096".to_owned(),
+            "free 0".to_owned(),
+            "alloc cold 4096".to_owned(),
+        ] {
+            let started = std::time::Instant::now();
+            victim.ok(&call);
+            let took = started.elapsed();
+            assert!(
+                took < Duration::from_secs(5),
+                "the victim's {call} took {took:?} while the attacker's exports waited"
+            );
+        }
+        let in_use = exports_in_use(&mut admin);
+        assert!(
+            in_use <= WINDOW_WORK_PER_USER,
+            "{in_use} of the attacker's binds hold a thread each"
+        );
+
+        attacker.kill();
+        wait_for_sessions(&bus, 1).await;
+        assert_eq!(exports_in_use(&mut admin), 0);
+        victim.ok("close");
+        assert_clean_stop(daemon, "loopback", None).await;
+    }
+
     pub async fn freed_memory_stops_costing_the_daemon(provider: &str) {
         let _alone = rdmad_tests::ALONE.lock().await;
         let cycles = if provider == "verbs" { 16 } else { 50 };

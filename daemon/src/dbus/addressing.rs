@@ -1,51 +1,20 @@
 //! What the connect-by-address methods (`Session.Listen`, `Session.Accept`,
-//! `QueuePair.ConnectTo`) share: reading addresses and private data from the bus, the
-//! dictionary that describes a connection, and the bound on how many connections by
-//! address one user has under way at once (each holds a blocking thread while rdma_cm
-//! answers, so one user's unanswered requests cannot take the threads every client's calls
-//! run on).
+//! `QueuePair.ConnectTo`) share: reading addresses and private data from the bus, and the
+//! dictionary that describes a connection. (How many connections by address one user has
+//! under way at once is bounded in `turns.rs`.)
 
 use std::collections::HashMap;
 use std::net::{IpAddr, SocketAddr};
-use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use rdmad_client::Error;
-use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use zbus::zvariant::{OwnedValue, Value};
 
 use super::options::Options;
 use crate::engine::Connected;
 
-/// Connections by address one user may have under way at once; more wait their turn
-/// without holding a thread.
-pub const CONNECTING_PER_USER: usize = 4;
-
 /// The longest a caller may ask to wait for a connection.
 pub const MAX_WAIT: Duration = Duration::from_secs(600);
-
-/// Turns for connecting, per user.
-#[derive(Debug, Default)]
-pub struct ConnectTurns {
-    by_uid: Mutex<HashMap<u32, Arc<Semaphore>>>,
-}
-
-impl ConnectTurns {
-    /// Waits (asynchronously) for one of `uid`'s turns.
-    pub async fn take(&self, uid: u32) -> Result<OwnedSemaphorePermit, Error> {
-        let turns = {
-            let mut map = self.by_uid.lock().unwrap_or_else(|e| e.into_inner());
-            Arc::clone(
-                map.entry(uid)
-                    .or_insert_with(|| Arc::new(Semaphore::new(CONNECTING_PER_USER))),
-            )
-        };
-        turns
-            .acquire_owned()
-            .await
-            .map_err(|e| Error::DeviceError(format!("internal error: {e}")))
-    }
-}
 
 /// An IP address as a caller wrote it; `""` is any address (listening) or none.
 pub fn ip(method: &str, what: &str, text: &str) -> Result<Option<IpAddr>, Error> {

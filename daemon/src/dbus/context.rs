@@ -59,7 +59,9 @@ pub struct Context {
     pub callers: CallerCache,
     pub reloader: Reloader,
     /// Each user's turns for connecting by address.
-    pub connecting: super::addressing::ConnectTurns,
+    pub connecting: super::turns::Turns,
+    /// Each user's turns for window binds and invalidations.
+    pub window_work: super::turns::Turns,
     /// The open direct connections.
     pub direct: super::direct::Channels,
     /// What policy grants each connection's caller under the configuration in force.

@@ -14,6 +14,7 @@ mod pool;
 mod queue_pair;
 mod region;
 mod session;
+mod turns;
 mod wire;
 
 use std::sync::Arc;
@@ -119,7 +120,8 @@ pub async fn serve(
         engine: Arc::clone(&engine),
         callers: caller::CallerCache::default(),
         reloader,
-        connecting: addressing::ConnectTurns::default(),
+        connecting: turns::Turns::new(turns::CONNECTING_PER_USER),
+        window_work: turns::Turns::new(turns::WINDOW_WORK_PER_USER),
         direct: direct::Channels::default(),
         grants: std::sync::Mutex::default(),
         bus: std::sync::Mutex::default(),

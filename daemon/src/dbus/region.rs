@@ -120,6 +120,9 @@ impl RegionObject {
             .ok_or_else(|| Error::InvalidArgument(format!("{qp} is not a queue pair's path")))?;
         let caller = self.ctx.caller(connection, &header).await?;
         let (id, config) = (self.id, self.ctx.config());
+        // The bind waits for the queue pair's send queue to reach it: a thread at most
+        // `WINDOW_WORK_PER_USER` of the caller's calls hold at once.
+        let turn = self.ctx.window_work.take(caller.uid).await?;
         let export = self
             .ctx
             .blocking(move |e| {
@@ -127,6 +130,7 @@ impl RegionObject {
                 e.export_remote(&caller.owner(), &limits, id, QpId(qp_id), access)
             })
             .await??;
+        drop(turn);
         tracing::info!(
             region = %self.id,
             qp = %qp_id,
@@ -242,10 +246,14 @@ impl RegionObject {
     ) -> Result<(), Error> {
         let caller = self.ctx.caller(connection, &header).await?;
         let id = self.id;
-        Ok(self
+        // As `export_remote`'s bind, the invalidation waits for the send queue.
+        let turn = self.ctx.window_work.take(caller.uid).await?;
+        let released = self
             .ctx
             .blocking(move |e| e.release_export(&caller.owner(), id, ExportId(export_id)))
-            .await??)
+            .await?;
+        drop(turn);
+        Ok(released?)
     }
 
     /// Revokes one of this region's keys (new attaches stop; live attachments stay).

@@ -31,6 +31,8 @@
 //!                                 REGION: index of a held region, or #ID for any id)
 //!   post-garbage Q WRID | bad-tail Q | wait Q → completion JSON (60 s at most)
 //!   export N Q [ACCESS] → [addr, rkey, len, export id] | unexport N EXPORT
+//!   exports-unanswered COUNT N Q  → COUNT: that many `ExportRemote(Q)` calls of region N
+//!                                 sent at once, their replies never awaited
 //!   sessions | regions | pools | qps | devices | quota UID | reload
 //!   rtt QA QB REGION COUNT        → {median_us, p99_us, max_us, count}: COUNT 64-byte
 //!                                 SEND round trips between two of this client's QPs
@@ -731,6 +733,23 @@ async fn main() {
                     let r = region(&c, &held[num(0) as usize].path).await?;
                     let (addr, rkey, len, export) = r.export_remote(&qp, options).await?;
                     Ok(json!([addr, rkey, len, export]))
+                }
+                "exports-unanswered" => {
+                    // exports-unanswered N REGION_IDX QP_IDX → N: that many
+                    // Region.ExportRemote calls sent at once, their replies never awaited.
+                    let qp = zbus::zvariant::ObjectPath::try_from(qps[num(2) as usize].as_str())
+                        .map_err(|e| Error::InvalidArgument(e.to_string()))?;
+                    let path = held[num(1) as usize].path.as_str();
+                    for _ in 0..num(0) {
+                        let mut options = Options::new();
+                        options.insert("access", ZValue::from("w"));
+                        let call = zbus::message::Message::method_call(path, "ExportRemote")?
+                            .destination(rdmad_client::BUS_NAME)?
+                            .interface("org.rdmad1.Region")?
+                            .build(&(&qp, options))?;
+                        c.send(&call).await?;
+                    }
+                    Ok(json!(num(0)))
                 }
                 "unexport" => region(&c, &held[num(0) as usize].path)
                     .await?
