@@ -187,7 +187,7 @@ mod bodies {
     /// completion; the QP and the daemon go on serving.
     pub async fn hostile_submissions_fail_alone(provider: &str) {
         let _alone = rdmad_tests::ALONE.lock().await;
-        let (bus, _d) = start_on(provider, "").await;
+        let (bus, daemon) = start_on(provider, "").await;
         let (mut a, mut b) = connected_pair(&bus);
         let mut stranger = Client::start(&bus, Some(OTHER));
         stranger.ok("open");
@@ -220,9 +220,23 @@ mod bodies {
             assert_eq!(c["detail"], 16, "the detail is the depth");
         }
 
-        // An impossible ring index is reported and skipped.
-        b.ok("bad-tail 0");
-        assert_completion(&b.ok("wait 0"), 0, "InvalidEntry", "Send");
+        // An impossible ring index is refused and skipped, every time; the log says so
+        // once per QP, however often the client does it.
+        for n in 1..=20 {
+            b.ok(&format!("bad-tail 0 {n}"));
+            assert_completion(&b.ok("wait 0"), 0, "InvalidEntry", "Send");
+        }
+        assert_eq!(b.ok("qpinfo 0")["refused"], 20);
+        // Logged before the refusals were delivered, so before a fourth session opens
+        // (a, b and the stranger opened the first three).
+        let mut later = Client::start(&bus, Some(OTHER));
+        later.ok("open");
+        let log = daemon.wait_for_log("session opened", 4).await;
+        assert_eq!(
+            log.matches("submission tail out of range").count(),
+            1,
+            "{log}"
+        );
 
         let counters = a.ok("qpinfo 0");
         assert_eq!(

@@ -29,7 +29,8 @@
 //!                                 write:IMM with immediate data; ARG: fadd's addend
 //!                                 (default 1) or cswap's compare value;
 //!                                 REGION: index of a held region, or #ID for any id)
-//!   post-garbage Q WRID | bad-tail Q | wait Q → completion JSON (60 s at most)
+//!   post-garbage Q WRID | bad-tail Q [N] | wait Q → completion JSON (60 s at most)
+//!                                 (bad-tail: the Nth impossible submission tail in a row)
 //!   export N Q [ACCESS] → [addr, rkey, len, export id] | unexport N EXPORT
 //!   exports-unanswered COUNT N Q  → COUNT: that many `ExportRemote(Q)` calls of region N
 //!                                 sent at once, their replies never awaited
@@ -766,8 +767,11 @@ async fn main() {
                     Ok(Value::Null)
                 }
                 "bad-tail" => {
+                    // bad-tail Q [N]: the Nth impossible tail in a row (each one
+                    // 0x7fff_0000 past the one before, which the daemon skipped to).
+                    let n = if arg(1).is_empty() { 1 } else { num(1) as u32 };
                     rings[num(0) as usize]
-                        .set_tail_raw(0x7fff_0000)
+                        .set_tail_raw(0x7fff_0000u32.wrapping_mul(n))
                         .map_err(|e| Error::InvalidArgument(e.to_string()))?;
                     Ok(Value::Null)
                 }

@@ -119,6 +119,10 @@ pub(super) struct ServedQp {
     device_failed: bool,
     /// Whether `CQ_WAITING` is set in the ring.
     waiting: bool,
+    /// Impossible submission tails the client published: the first is logged as a
+    /// warning, the rest only counted (each is a refusal), so a client cannot flood the
+    /// log from the worker every other QP shares.
+    bad_tails: u64,
     /// Reused for every pass, so that a steady stream of requests allocates no batches.
     scratch: Scratch,
     /// When the worker last found work for this QP.
@@ -152,6 +156,7 @@ impl ServedQp {
             flushed_recvs: VecDeque::new(),
             device_failed: false,
             waiting: false,
+            bad_tails: 0,
             scratch: Scratch::default(),
             last_active: std::time::Instant::now(),
         }
@@ -254,14 +259,21 @@ impl ServedQp {
         let layout = self.record.layout;
         let pending = tail.wrapping_sub(self.sq_head);
         if pending > layout.sq_entries {
-            // An impossible tail: the client broke the protocol. Skip to it and say so once.
-            tracing::warn!(
-                session = %self.record.session,
-                qp = %self.id,
-                tail,
-                head = self.sq_head,
-                "submission tail out of range"
-            );
+            // An impossible tail: the client broke the protocol. Skip to it and refuse it;
+            // say so once per QP.
+            self.bad_tails += 1;
+            if self.bad_tails == 1 {
+                tracing::warn!(
+                    session = %self.record.session,
+                    qp = %self.id,
+                    tail,
+                    head = self.sq_head,
+                    "submission tail out of range (later ones on this queue pair are only \
+                     counted as refused)"
+                );
+            } else {
+                tracing::debug!(qp = %self.id, times = self.bad_tails, "another impossible tail");
+            }
             self.refuse(0, Opcode::Send, Status::InvalidEntry, 1);
             self.sq_head = tail;
             let _ = ring.store_u32(header::SQ_HEAD, self.sq_head);
