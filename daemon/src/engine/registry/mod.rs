@@ -130,6 +130,9 @@ struct State {
     /// Sessions taken out of the registry whose objects are still being released (see
     /// [`Releasing`]).
     releasing: usize,
+    /// How many times a session's rights were rebuilt.
+    #[cfg(test)]
+    rights_rebuilt: std::sync::atomic::AtomicUsize,
 }
 
 /// What a teardown removed, so the D-Bus layer can withdraw the objects.

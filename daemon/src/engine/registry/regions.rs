@@ -9,6 +9,20 @@ impl Registry {
     /// Removes a region with its keys, attachments and exports; returns its registration
     /// and windows to drop.
     pub(super) fn remove_region(s: &mut State, id: RegionId) -> Option<Garbage> {
+        let mut stale = BTreeSet::new();
+        let garbage = Self::take_region(s, id, &mut stale);
+        Self::refresh_all(s, stale);
+        garbage
+    }
+
+    /// [`Registry::remove_region`], leaving the rights of the sessions that could reach the
+    /// region to rebuild (added to `stale`): a teardown of many regions rebuilds each
+    /// session's rights once, not once per region, before it lets go of the lock.
+    pub(super) fn take_region(
+        s: &mut State,
+        id: RegionId,
+        stale: &mut BTreeSet<SessionId>,
+    ) -> Option<Garbage> {
         let mut garbage = Garbage::default();
         let registrations = s.regions.get(&id)?.registrations.clone();
         for registration in registrations {
@@ -31,12 +45,12 @@ impl Registry {
             if let Some(attacher) = s.sessions.get_mut(session) {
                 attacher.attachments.remove(&id);
             }
-            Self::refresh_rights(s, *session);
+            stale.insert(*session);
         }
         if let Some(owner) = s.sessions.get_mut(&region.session) {
             owner.regions.remove(&id);
         }
-        Self::refresh_rights(s, region.session);
+        stale.insert(region.session);
         let size = region.size();
         // Keys and windows are gone now; the region's bytes count until its memory is.
         if let Some(usage) = s.usage.get_mut(&region.owner_uid) {

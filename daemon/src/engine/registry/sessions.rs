@@ -50,7 +50,9 @@ impl Registry {
                 "session {id} belongs to another user; only its owner or an administrator may close it"
             )));
         }
-        let (removed, garbage) = Self::remove_session(&mut s, id);
+        let mut stale = BTreeSet::new();
+        let (removed, garbage) = Self::take_session(&mut s, id, &mut stale);
+        Self::refresh_all(&s, stale);
         Ok(self.teardown(s, removed, garbage))
     }
 
@@ -74,15 +76,24 @@ impl Registry {
             .collect();
         let mut all = Removed::default();
         let mut garbage = Garbage::default();
+        let mut stale = BTreeSet::new();
         for id in ids {
-            let (removed, g) = Self::remove_session(&mut s, id);
+            let (removed, g) = Self::take_session(&mut s, id, &mut stale);
             all.extend(removed);
             garbage.extend(g);
         }
+        Self::refresh_all(&s, stale);
         self.teardown(s, all, garbage)
     }
 
-    pub(super) fn remove_session(s: &mut State, id: SessionId) -> (Removed, Garbage) {
+    /// Removes session `id` with everything in it, leaving the rights of the other sessions
+    /// that attached its regions to rebuild (added to `stale`, see
+    /// [`Registry::take_region`]).
+    pub(super) fn take_session(
+        s: &mut State,
+        id: SessionId,
+        stale: &mut BTreeSet<SessionId>,
+    ) -> (Removed, Garbage) {
         let mut removed = Removed::default();
         let mut garbage = Garbage::default();
         let Some(session) = s.sessions.remove(&id) else {
@@ -108,7 +119,7 @@ impl Registry {
             }
         }
         for region in session.regions {
-            if let Some(g) = Self::remove_region(s, region) {
+            if let Some(g) = Self::take_region(s, region, stale) {
                 garbage.extend(g);
                 removed.regions.push(region);
             }
@@ -124,6 +135,13 @@ impl Registry {
         (removed, garbage)
     }
 
+    /// [`Registry::refresh_rights`] of each of `sessions` (still open), once.
+    pub(super) fn refresh_all(s: &State, sessions: BTreeSet<SessionId>) {
+        for session in sessions {
+            Self::refresh_rights(s, session);
+        }
+    }
+
     /// Replaces the data-path rights of `session` (if it is open) with what it may touch
     /// now: its own regions read-write, attached regions as their key allowed. Called under
     /// the lock by every change to them (see [`SessionRights`] for the rule).
@@ -131,6 +149,9 @@ impl Registry {
         let Some(x) = s.sessions.get(&session) else {
             return;
         };
+        #[cfg(test)]
+        s.rights_rebuilt
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         let owned = x.regions.iter().map(|id| (*id, true));
         let attached = x
             .attachments

@@ -251,6 +251,65 @@ const POOL: &str = "[[pool]]\nname = \"p\"\ncapacity = \"64MiB\"\n\
 const COLD_POOL: &str = "[[pool]]\nname = \"p\"\ncapacity = \"64MiB\"\n\
                          size_classes = [\"4KiB\", \"1MiB\"]\n";
 
+/// Closing a session whose regions many other sessions attached rebuilds each of those
+/// sessions' rights once, not once per region (under the registry's lock, which every
+/// client's calls take: a teardown of N regions attached into M sessions would otherwise
+/// hold it for N × M rebuilds of up to N regions each); freeing one region rebuilds each
+/// session that could reach it once. Afterwards none of them reaches the regions.
+#[test]
+fn a_teardown_rebuilds_each_sessions_rights_once() {
+    const REGIONS: usize = 20;
+    const ATTACHERS: usize = 4;
+    let engine = engine_on(ProviderChoice::Loopback, POOL);
+    let pool = Arc::clone(engine.pool("p").unwrap());
+    let alice = Tenant::new(&engine, caller(1000, ":1.1"));
+    let owner = alice.open_session();
+    let attachers: Vec<SessionId> = (0..ATTACHERS).map(|_| alice.open_session()).collect();
+    let regions: Vec<RegionId> = (0..REGIONS)
+        .map(|_| {
+            let region = alice.allocate(owner, &pool, 4096).unwrap().region;
+            let (token, _) = alice.share(region, AttachMode::ReadWrite, None).unwrap();
+            for &session in &attachers {
+                alice.attach(session, &token).unwrap();
+            }
+            region
+        })
+        .collect();
+    let rebuilt = || {
+        engine
+            .registry
+            .lock()
+            .rights_rebuilt
+            .load(std::sync::atomic::Ordering::Relaxed)
+    };
+    for &session in &attachers {
+        assert_eq!(
+            engine.registry.session_rights(session).unwrap().len(),
+            REGIONS
+        );
+    }
+
+    let before = rebuilt();
+    alice.free(regions[0]).unwrap();
+    assert_eq!(
+        rebuilt() - before,
+        ATTACHERS + 1,
+        "the attachers' and the owner's"
+    );
+
+    let before = rebuilt();
+    alice.close_session(owner).unwrap();
+    assert_eq!(
+        rebuilt() - before,
+        ATTACHERS,
+        "once each, for {} regions",
+        REGIONS - 1
+    );
+    for &session in &attachers {
+        assert!(engine.registry.session_rights(session).unwrap().is_empty());
+    }
+}
+
 /// A region freed (or whose session closed) while something still holds its registration —
 /// a request in flight on a data path, here a clone of it — stays counted against its
 /// owner's quota and its pool, so freeing under requests that never complete cannot take
