@@ -35,6 +35,12 @@ async fn exports_behind_a_stuck_send_queue_never_hold_a_neighbours_calls() {
     bodies::exports_behind_a_stuck_send_queue_never_hold_a_neighbours_calls().await
 }
 
+/// On loopback only: what is slow is the daemon's own worker (a test hook of debug builds).
+#[tokio::test(flavor = "multi_thread")]
+async fn a_departure_with_a_slow_teardown_never_delays_another_clients() {
+    bodies::a_departure_with_a_slow_teardown_never_delays_another_clients().await
+}
+
 mod bodies {
     use std::time::Duration;
 
@@ -288,6 +294,52 @@ mod bodies {
         assert_eq!(exports_in_use(&mut admin), 0);
         victim.ok("close");
         assert_clean_stop(daemon, "loopback", None).await;
+    }
+
+    /// A client with queue pairs dies while the data-path workers are slow to let go of
+    /// queue pairs (a test hook: for 15 s they let go of none; the daemon waits 5 s for
+    /// them), so its departure takes seconds to handle. Another user's client dies right
+    /// after: its session is closed at once all the same, not after the first departure's.
+    pub async fn a_departure_with_a_slow_teardown_never_delays_another_clients() {
+        let (bus, daemon) = rdmad_tests::daemon::start_with_env(
+            "loopback",
+            "",
+            vec![("RDMAD_TEST_HANDBACK_DELAY_MS", "15000".to_owned())],
+        )
+        .await;
+        let mut slow = with_connected_qps(&bus, NOBODY, "default", 4096);
+        let mut victim = Client::start(&bus, Some(VICTIM));
+        let mut admin = Client::start(&bus, None);
+        victim.ok("open");
+        victim.ok("alloc default 4096");
+        let victims_sessions = |admin: &mut Client| {
+            let sessions = admin.ok("sessions");
+            sessions
+                .as_array()
+                .unwrap()
+                .iter()
+                .filter(|s| s["uid"] == VICTIM)
+                .count()
+        };
+        assert_eq!(victims_sessions(&mut admin), 1);
+
+        slow.kill();
+        // Its departure now waits for the workers to let go of its queue pairs.
+        daemon
+            .wait_for_log("test hook: the data-path workers let go of nothing", 1)
+            .await;
+        victim.kill();
+        let started = std::time::Instant::now();
+        while victims_sessions(&mut admin) > 0 {
+            let took = started.elapsed();
+            assert!(
+                took < Duration::from_millis(2500),
+                "the victim's session is still open {took:?} after it died, behind the \
+                 slow departure"
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        wait_for_sessions(&bus, 0).await;
     }
 
     pub async fn freed_memory_stops_costing_the_daemon(provider: &str) {

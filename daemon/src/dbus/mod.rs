@@ -157,7 +157,10 @@ pub async fn serve(
 }
 
 /// Closes the sessions of every connection that leaves the bus (exit, crash, SIGKILL): the
-/// bus daemon announces it with `NameOwnerChanged(name, old, "")`.
+/// bus daemon announces it with `NameOwnerChanged(name, old, "")`. Each departure is
+/// handled on its own task: one whose teardown is slow (a worker slow to let go of its
+/// queue pairs, say) holds up neither other clients' departures nor the announcements,
+/// which queue in the bus connection (and stop it reading the bus while the queue is full).
 async fn watch_departures(
     connection: &Connection,
     ctx: Arc<Context>,
@@ -167,12 +170,23 @@ async fn watch_departures(
     let mut changes = dbus.receive_name_owner_changed().await?;
     let server = connection.object_server().clone();
     Ok(tokio::spawn(async move {
-        while let Some(change) = changes.next().await {
-            let Ok(args) = change.args() else { continue };
-            if args.new_owner().is_none() && args.name().starts_with(':') {
-                ctx.connection_gone(&server, args.name()).await;
+        // Dropped (so aborted) with this task.
+        let mut departures = tokio::task::JoinSet::new();
+        loop {
+            tokio::select! {
+                change = changes.next() => {
+                    let Some(change) = change else { break };
+                    let Ok(args) = change.args() else { continue };
+                    if args.new_owner().is_none() && args.name().starts_with(':') {
+                        let (ctx, server) = (Arc::clone(&ctx), server.clone());
+                        let name = args.name().to_string();
+                        departures.spawn(async move { ctx.connection_gone(&server, &name).await });
+                    }
+                }
+                Some(_) = departures.join_next(), if !departures.is_empty() => {}
             }
         }
+        while departures.join_next().await.is_some() {}
     }))
 }
 
