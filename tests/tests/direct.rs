@@ -255,14 +255,28 @@ async fn a_peer_that_never_reads_its_replies_is_not_read_either() {
 }
 
 /// Calls that would escape a direct connection's bounds close it: one that asks for no
-/// reply (it would run uncounted), and one whose header announces a 100 MiB message (rdmad
-/// would have to make room for it before reading a byte of it). The neighbour's calls go on.
+/// reply (it would run uncounted), one whose header announces a 100 MiB message (rdmad
+/// would have to make room for it before reading a byte of it), and one that comes a byte
+/// at a time, each byte with 253 descriptors (rdmad would hold every one until the message
+/// is whole: a few thousand bytes would fill its descriptor table). The neighbour's calls
+/// go on, and the daemon holds no more descriptors than before.
 #[tokio::test]
 async fn calls_that_would_escape_the_bounds_close_the_direct_connection() {
     let (bus, mut d) = daemon().await;
     let mut hog = Client::start(&bus, Some(NOBODY));
+    let fds_before = std::fs::read_dir(format!("/proc/{}/fd", d.child.id().unwrap()))
+        .unwrap()
+        .count();
     assert_eq!(hog.ok("raw-direct noreply"), "closed");
     assert_eq!(hog.ok("raw-direct huge"), "closed");
+    assert_eq!(hog.ok("raw-direct fds"), "closed");
+    let fds_after = std::fs::read_dir(format!("/proc/{}/fd", d.child.id().unwrap()))
+        .unwrap()
+        .count();
+    assert!(
+        fds_after <= fds_before + 8,
+        "the daemon's descriptors went from {fds_before} to {fds_after}"
+    );
     let mut neighbour = Client::start_direct(&bus, Some(OTHER));
     neighbour.ok("open");
     neighbour.ok("alloc cold 4096");

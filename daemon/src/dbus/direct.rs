@@ -13,7 +13,8 @@
 //! are when it leaves the bus.
 //!
 //! What the bus daemon bounds for a bus connection is bounded here: a user holds at most
-//! [`PER_USER`] channels; no message may be longer than [`MAX_MESSAGE_BYTES`]; rdmad reads
+//! [`PER_USER`] channels; no message may be longer than [`MAX_MESSAGE_BYTES`] or carry more
+//! than [`MAX_MESSAGE_FDS`] descriptors; rdmad reads
 //! no more calls from a channel while [`MAX_CALLS`] of its calls, [`MAX_CALL_BYTES`] of
 //! their bytes or [`MAX_CALL_FDS`] of their descriptors await their replies (a peer that
 //! stops reading its replies stops being read); a call that asks for no reply, or reuses
@@ -55,6 +56,10 @@ pub const MAX_MESSAGE_BYTES: usize = 4 << 20;
 
 /// The descriptors those calls carry beyond which rdmad reads no more of its messages.
 pub const MAX_CALL_FDS: usize = 64;
+
+/// The most descriptors one message may carry (no method of rdmad's takes any): a message
+/// that brings more closes the connection as they arrive, before the message is whole.
+pub const MAX_MESSAGE_FDS: usize = MAX_CALL_FDS;
 
 /// How long rdmad waits for a direct connection to take what it sends when another
 /// caller's work (an administrator withdrawing its objects) waits on it.
@@ -482,10 +487,13 @@ impl ReadHalf for FlowReader {
 }
 
 /// The socket's read half, refusing a message longer than [`MAX_MESSAGE_BYTES`] as soon as
-/// its fixed header says so — before zbus makes room for it. zbus reads a message as its
-/// 16-byte fixed header, then the rest into a buffer of the length the header gives;
-/// reads never cross from one message into the next (the connection is pre-authenticated:
-/// nothing was read ahead).
+/// its fixed header says so — before zbus makes room for it — and one that brings more than
+/// [`MAX_MESSAGE_FDS`] descriptors as soon as they arrive (zbus would keep every descriptor
+/// that comes with any part of a message until the message is whole, and a peer sending a
+/// message a byte at a time, each with a few hundred descriptors, would fill rdmad's table).
+/// zbus reads a message as its 16-byte fixed header, then the rest into a buffer of the
+/// length the header gives; reads never cross from one message into the next (the
+/// connection is pre-authenticated: nothing was read ahead).
 #[derive(Debug)]
 struct Limited {
     inner: tokio::net::unix::OwnedReadHalf,
@@ -494,6 +502,8 @@ struct Limited {
     header_read: usize,
     /// Bytes of the current message still to come after its fixed header.
     rest: usize,
+    /// Descriptors the current message brought so far.
+    fds: usize,
 }
 
 impl Limited {
@@ -503,6 +513,7 @@ impl Limited {
             header: [0; 16],
             header_read: 0,
             rest: 0,
+            fds: 0,
         }
     }
 
@@ -525,7 +536,23 @@ impl Limited {
 #[async_trait::async_trait]
 impl ReadHalf for Limited {
     async fn recvmsg(&mut self, buf: &mut [u8]) -> std::io::Result<(usize, Vec<OwnedFd>)> {
+        if self.rest == 0 && self.header_read == 0 {
+            // A new message starts.
+            self.fds = 0;
+        }
         let (n, fds) = self.inner.recvmsg(buf).await?;
+        self.fds += fds.len();
+        if self.fds > MAX_MESSAGE_FDS {
+            // The descriptors close as `fds` drops, those of earlier reads with the
+            // connection.
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::InvalidData,
+                format!(
+                    "direct connection closed: a message brought more than {MAX_MESSAGE_FDS} \
+                     descriptors"
+                ),
+            ));
+        }
         if self.rest > 0 {
             self.rest = self.rest.saturating_sub(n);
             return Ok((n, fds));

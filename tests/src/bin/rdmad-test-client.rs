@@ -59,8 +59,9 @@
 //!   whoami                        → this client's unique name on the bus
 //!   forged SENDER METHOD          → Manager.METHOD() (ListSessions: the uids listed;
 //!                                 Reload) sent with a made-up sender header
-//!   raw-direct noreply|huge       → "closed" if rdmad closes a fresh direct connection
-//!                                 after a call that wants no reply / announces 100 MiB
+//!   raw-direct noreply|huge|fds   → "closed" if rdmad closes a fresh direct connection
+//!                                 after a call that wants no reply / announces 100 MiB /
+//!                                 comes a byte at a time, each with 253 descriptors
 //!   flood-direct N                → how many of N ListDevices calls went out on a fresh
 //!                                 direct connection's raw socket, never reading a reply
 //!                                 (the socket stays open)
@@ -340,6 +341,33 @@ async fn raw_direct(manager: &ManagerProxy<'_>, kind: &str) -> Result<Value, Err
             // The body length, in the message's own byte order (zbus writes little-endian).
             bytes[4..8].copy_from_slice(&(100u32 << 20).to_le_bytes());
             bytes
+        }
+        "fds" => {
+            // A call announcing a 1 MiB body, then its bytes one at a time, each with 253
+            // descriptors (the most one sendmsg carries), until rdmad closes the connection
+            // or 40 have gone: over 10,000 descriptors for a message never finished.
+            use nix::sys::socket::{sendmsg, ControlMessage, MsgFlags};
+            use std::io::IoSlice;
+            use std::os::fd::AsRawFd;
+            let mut bytes = call.build(&())?.data().to_vec();
+            bytes[4..8].copy_from_slice(&(1u32 << 20).to_le_bytes());
+            let io = |e: std::io::Error| Error::InvalidArgument(e.to_string());
+            socket.write_all(&bytes[..16]).map_err(io)?;
+            let null = std::fs::File::open("/dev/null").map_err(io)?;
+            let fds = vec![null.as_raw_fd(); 253];
+            for _ in 0..40 {
+                let sent = sendmsg::<()>(
+                    socket.as_raw_fd(),
+                    &[IoSlice::new(&[0])],
+                    &[ControlMessage::ScmRights(&fds)],
+                    MsgFlags::MSG_NOSIGNAL,
+                    None,
+                );
+                if sent.is_err() {
+                    break;
+                }
+            }
+            Vec::new()
         }
         other => return Err(Error::InvalidArgument(format!("raw-direct {other}?"))),
     };
