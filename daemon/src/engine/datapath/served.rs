@@ -176,10 +176,16 @@ impl ServedQp {
         self.sends + self.recvs > 0
     }
 
-    /// Whether the worker may look at this QP only now and then: nothing of its own in
-    /// flight but receives, no completions waiting for ring space.
+    /// Whether the worker may look at this QP only now and then (once nothing has moved
+    /// for it for a while): no completions waiting for ring space, no request of the
+    /// daemon's own (a window bind, whose caller waits) in flight. The client's requests in
+    /// flight do not keep it busy: a receive may wait for ever for its message, and so may
+    /// a SEND, retried for as long as its peer posts no receive — a user's QPs parked so
+    /// would otherwise make every pass of the worker its neighbours share look at each of
+    /// them. A software device that moves a request a turn at a time keeps its QP busy
+    /// (something moves on every pass).
     pub(super) fn may_rest(&self) -> bool {
-        self.sends == 0 && self.backlog.is_empty() && self.internal.is_empty()
+        self.backlog.is_empty() && self.internal.is_empty()
     }
 
     /// Everything the worker does for this QP in one look: takes submissions, polls the CQ

@@ -26,7 +26,10 @@
 //!
 //! Then the session creates `--idle-qps` more QPs (default 1,000; 0 skips this) on the same
 //! worker (the daemon runs one), never used, and the batch-1 cells run again: what idle
-//! QPs cost an active one. Last, `--idle-sessions` sessions (default 1,000; 0 skips this)
+//! QPs cost an active one. Then the first QP of each idle pair gets a SEND its peer never
+//! posts a receive for (retried for ever: the QPs are *parked*, with a request in flight
+//! that never completes, as a hostile tenant's may be), and the batch-1 cells run once
+//! more. Last, `--idle-sessions` sessions (default 1,000; 0 skips this)
 //! are opened and left empty: the daemon's resident memory per idle session.
 
 use std::sync::Arc;
@@ -466,6 +469,25 @@ impl Proxied {
         Ok(())
     }
 
+    /// Posts a SEND on the first QP of each pair of idle ones, which its peer never posts a
+    /// receive for: it is retried for ever, and never completes.
+    fn park_idle(&mut self) -> Result<()> {
+        let sge = RegionSge {
+            region: self.src,
+            offset: 0,
+            length: 64,
+        };
+        for ring in self.idle.iter_mut().step_by(2) {
+            if ring
+                .submit(&Submission::new(Opcode::Send, 0, sge))?
+                .is_err()
+            {
+                return Err("an idle QP's ring is full".into());
+            }
+        }
+        Ok(())
+    }
+
     /// Opens `n` sessions on the benchmark's connection and leaves them empty; they close
     /// with it.
     async fn open_idle_sessions(&self, n: u32) -> Result<Vec<OwnedObjectPath>> {
@@ -573,6 +595,7 @@ pub async fn run(args: impl Iterator<Item = String>) -> Result<()> {
         });
     }
     let mut with_idle = Vec::new();
+    let mut with_parked = Vec::new();
     let mut idle_cost = None;
     if args.idle_qps > 0 {
         let pid = daemon.child.id().ok_or("rdmad exited")?;
@@ -587,6 +610,10 @@ pub async fn run(args: impl Iterator<Item = String>) -> Result<()> {
         std::thread::sleep(IDLE_WINDOW);
         let after = Usage::of(pid)?;
         idle_cost = Some((before, quiet, after));
+        proxied.park_idle()?;
+        for &mode in &args.modes {
+            with_parked.push((mode, proxied.series(1, args.iterations, mode)?));
+        }
     }
     let mut session_cost = None;
     if args.idle_sessions > 0 {
@@ -665,15 +692,20 @@ pub async fn run(args: impl Iterator<Item = String>) -> Result<()> {
             args.idle_qps
         );
         println!();
-        println!("| wait | alone | with idle QPs | ratio |");
-        println!("|---|---:|---:|---:|");
-        for ((mode, idle), (_, alone)) in with_idle.iter().zip(&rows[0].rdmad) {
+        println!("| wait | alone | with idle QPs | ratio | with them parked | ratio |");
+        println!("|---|---:|---:|---:|---:|---:|");
+        for (((mode, idle), (_, parked)), (_, alone)) in
+            with_idle.iter().zip(&with_parked).zip(&rows[0].rdmad)
+        {
+            let ratio = |c: &Cell| c.median().as_secs_f64() / alone.median().as_secs_f64();
             println!(
-                "| {} | {} | {} | {:.2} |",
+                "| {} | {} | {} | {:.2} | {} | {:.2} |",
                 mode_name(*mode),
                 alone.latency(),
                 idle.latency(),
-                idle.median().as_secs_f64() / alone.median().as_secs_f64()
+                ratio(idle),
+                parked.latency(),
+                ratio(parked)
             );
         }
     }
