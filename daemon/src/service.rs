@@ -50,6 +50,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .thread_name("rdmad")
+        .on_thread_park(crate::lock::mark_executor)
         .enable_all()
         .build()
         .context("cannot start the async runtime")?;

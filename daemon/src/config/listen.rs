@@ -85,6 +85,7 @@ impl ListenConfig {
                         .into(),
                 ));
             }
+            crate::lock::check_lookup("listen.grant");
             for user in &grant.users {
                 if !matches!(nix::unistd::User::from_name(user), Ok(Some(_))) {
                     return Err((

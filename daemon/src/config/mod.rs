@@ -335,6 +335,7 @@ impl Config {
     /// Checks what the types alone cannot; the error names the key.
     fn validate(&self) -> Result<(), (String, String)> {
         if let Some(group) = &self.daemon.admin_group {
+            crate::lock::check_lookup("daemon.admin_group");
             match nix::unistd::Group::from_name(group) {
                 Ok(Some(_)) => {}
                 Ok(None) => {
@@ -427,11 +428,13 @@ impl Config {
 
 /// Whether the system knows a user named `name`.
 fn user_exists(name: &str) -> bool {
+    crate::lock::check_lookup("user_exists");
     matches!(nix::unistd::User::from_name(name), Ok(Some(_)))
 }
 
 /// Whether the system knows a group named `name`.
 fn group_exists(name: &str) -> bool {
+    crate::lock::check_lookup("group_exists");
     matches!(nix::unistd::Group::from_name(name), Ok(Some(_)))
 }
 

@@ -16,7 +16,7 @@ use super::queue_pair::QueuePairObject;
 use super::region::RegionObject;
 use super::session::SessionObject;
 use crate::config::Config;
-use crate::engine::{Engine, Limits, PoolAccess, QpId, RegionId, Removed, SessionId};
+use crate::engine::{Engine, Limits, PoolAccess, QpId, RegionId, Removed, Scope, SessionId};
 use crate::lock::lock;
 use crate::policy::Caller;
 
@@ -80,6 +80,8 @@ pub struct Grants {
     config: Arc<Config>,
     pub limits: Limits,
     pub pools: PoolAccess,
+    /// Whether the caller is an administrator (`Scope::All`) or reaches its own alone.
+    pub scope: Scope,
 }
 
 impl Context {
@@ -97,6 +99,7 @@ impl Context {
             self.blocking(move |e| Grants {
                 limits: crate::policy::limits(&who, &config),
                 pools: crate::policy::pool_access(&who, &e.pool_configs()),
+                scope: crate::policy::scope(&who, &config),
                 config,
             })
             .await?,
@@ -115,6 +118,12 @@ impl Context {
         }
         drop(kept);
         Ok(grants)
+    }
+
+    /// What `caller` reaches: its own objects, or everyone's (an administrator). From its
+    /// cached grants: no lookup on the bus's threads.
+    pub async fn scope(&self, caller: &Caller) -> Result<Scope, Error> {
+        Ok(self.grants(caller).await?.scope)
     }
 
     pub async fn caller(
@@ -149,7 +158,7 @@ impl Context {
             SessionObject::new(Arc::clone(self), id)
         })
         .await?;
-        let scope = crate::policy::scope(caller, &self.config());
+        let scope = self.scope(caller).await?;
         if self.engine.session(&caller.owner(), scope, id).is_err() {
             let _ = self
                 .remove::<SessionObject>(server, session_path(id.0))
@@ -176,7 +185,7 @@ impl Context {
             RegionObject::new(Arc::clone(self), id)
         })
         .await?;
-        let scope = crate::policy::scope(caller, &self.config());
+        let scope = self.scope(caller).await?;
         if self.engine.region(&caller.owner(), scope, id).is_err() {
             let _ = self.remove::<RegionObject>(server, region_path(id.0)).await;
             return Err(Error::NoSuchObject(format!(

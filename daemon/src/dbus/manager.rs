@@ -67,7 +67,10 @@ impl Manager {
         #[zbus(connection)] connection: &Connection,
     ) -> Result<(), Error> {
         let caller = self.ctx.caller(connection, &header).await?;
-        policy::require_admin(&caller, &self.ctx.config(), "Reload")?;
+        let (who, config) = (caller.clone(), self.ctx.config());
+        self.ctx
+            .blocking(move |_| policy::require_admin(&who, &config, "Reload"))
+            .await??;
         tracing::info!(uid = caller.uid, sender = %caller.bus_name, "reload requested over D-Bus");
         // Reading the file, looking up the users and groups it names and asking the
         // devices for their limits all may block.
@@ -89,7 +92,7 @@ impl Manager {
     ) -> Result<OwnedObjectPath, Error> {
         Options::new("OpenSession", &options, &[])?;
         let caller = self.ctx.caller(connection, &header).await?;
-        let limits = policy::limits(&caller, &self.ctx.config());
+        let limits = self.ctx.grants(&caller).await?.limits.clone();
         let id = self.ctx.engine.open_session(&caller.owner(), &limits)?;
         self.ctx.publish_session(server, &caller, id).await?;
         tracing::info!(session = %id, uid = caller.uid, sender = %caller.bus_name, pid = caller.pid.unwrap_or(0), "session opened");
@@ -131,9 +134,16 @@ impl Manager {
         #[zbus(connection)] connection: &Connection,
     ) -> Result<Vec<SessionInfo>, Error> {
         let caller = self.ctx.caller(connection, &header).await?;
-        let scope = policy::scope(&caller, &self.ctx.config());
-        let sessions = self.ctx.engine.sessions(&caller.owner(), scope);
-        Ok(sessions.iter().map(wire::session).collect())
+        let scope = self.ctx.scope(&caller).await?;
+        // Each session's user is named: a lookup, off the bus's threads.
+        self.ctx
+            .blocking(move |e| {
+                e.sessions(&caller.owner(), scope)
+                    .iter()
+                    .map(wire::session)
+                    .collect()
+            })
+            .await
     }
 
     /// Regions the caller may see: its user's and those its user attached, or every
@@ -144,7 +154,7 @@ impl Manager {
         #[zbus(connection)] connection: &Connection,
     ) -> Result<Vec<RegionInfo>, Error> {
         let caller = self.ctx.caller(connection, &header).await?;
-        let scope = policy::scope(&caller, &self.ctx.config());
+        let scope = self.ctx.scope(&caller).await?;
         let regions = self.ctx.engine.regions(&caller.owner(), scope);
         Ok(regions.iter().map(wire::region).collect())
     }
@@ -156,7 +166,7 @@ impl Manager {
         #[zbus(connection)] connection: &Connection,
     ) -> Result<Vec<QueuePairInfo>, Error> {
         let caller = self.ctx.caller(connection, &header).await?;
-        let scope = policy::scope(&caller, &self.ctx.config());
+        let scope = self.ctx.scope(&caller).await?;
         // Each state comes from the device (ibv_query_qp).
         self.ctx
             .blocking(move |e| {
@@ -186,7 +196,12 @@ impl Manager {
         #[zbus(connection)] connection: &Connection,
     ) -> Result<Vec<QuotaEntry>, Error> {
         let caller = self.ctx.caller(connection, &header).await?;
-        let limits = policy::limits_of(&caller, &self.ctx.config(), uid)?;
+        // Another user's limits come from a lookup of its groups: off the bus's threads.
+        let config = self.ctx.config();
+        let limits = self
+            .ctx
+            .blocking(move |_| policy::limits_of(&caller, &config, uid))
+            .await??;
         settled(&self.ctx.engine).await;
         let lines = self.ctx.engine.quota(&limits);
         Ok(lines
@@ -208,7 +223,7 @@ impl Manager {
         #[zbus(connection)] connection: &Connection,
     ) -> Result<(), Error> {
         let caller = self.ctx.caller(connection, &header).await?;
-        let scope = policy::scope(&caller, &self.ctx.config());
+        let scope = self.ctx.scope(&caller).await?;
         self.ctx
             .engine
             .revoke(&caller.owner(), scope, KeyId(key_id))?;

@@ -68,7 +68,7 @@ impl RegionObject {
         };
         let lifetime = opts.unsigned("expires_in")?.map(Duration::from_secs);
         let caller = self.ctx.caller(connection, &header).await?;
-        let limits = policy::limits(&caller, &self.ctx.config());
+        let limits = self.ctx.grants(&caller).await?.limits.clone();
         let (token, key) =
             self.ctx
                 .engine
@@ -264,7 +264,7 @@ impl RegionObject {
         #[zbus(connection)] connection: &Connection,
     ) -> Result<(), Error> {
         let caller = self.ctx.caller(connection, &header).await?;
-        let scope = policy::scope(&caller, &self.ctx.config());
+        let scope = self.ctx.scope(&caller).await?;
         Ok(self
             .ctx
             .engine
@@ -287,7 +287,7 @@ impl RegionObject {
         #[zbus(connection)] connection: &Connection,
     ) -> Result<RegionInfo, Error> {
         let caller = self.ctx.caller(connection, &header).await?;
-        let scope = policy::scope(&caller, &self.ctx.config());
+        let scope = self.ctx.scope(&caller).await?;
         let info = self.ctx.engine.region(&caller.owner(), scope, self.id)?;
         Ok(wire::region(&info))
     }

@@ -297,7 +297,12 @@ impl SessionObject {
             ));
         }
         let caller = self.ctx.caller(connection, &header).await?;
-        policy::may_listen(&caller, &self.ctx.config(), port).map_err(Error::NotAuthorized)?;
+        // The grants name users and groups: looked up off the bus's threads.
+        let (who, config) = (caller.clone(), self.ctx.config());
+        self.ctx
+            .blocking(move |_| policy::may_listen(&who, &config, port))
+            .await?
+            .map_err(Error::NotAuthorized)?;
         let wake = Arc::new(Notify::new());
         let waker = {
             let wake = Arc::clone(&wake);
@@ -428,8 +433,9 @@ impl SessionObject {
         #[zbus(connection)] connection: &Connection,
     ) -> Result<SessionInfo, Error> {
         let caller = self.ctx.caller(connection, &header).await?;
-        let scope = policy::scope(&caller, &self.ctx.config());
+        let scope = self.ctx.scope(&caller).await?;
         let info = self.ctx.engine.session(&caller.owner(), scope, self.id)?;
-        Ok(wire::session(&info))
+        // Its user is named: a lookup, off the bus's threads.
+        self.ctx.blocking(move |_| wire::session(&info)).await
     }
 }
