@@ -212,12 +212,6 @@ mod bodies {
         meminfo("Shmem:") << 10
     }
 
-    /// 50 cycles (16 on Soft-RoCE, where each registration of 64 MiB is slow under
-    /// emulation) of allocate 64 MiB → touch every page → free, the client keeping every
-    /// region's descriptor and mapping: once freed, the pages go back whatever the client
-    /// kept. The host's `Shmem` ends within 128 MiB of where it started (one region in
-    /// flight plus the pool's warm set; keeping them alive would be 3.2 GiB, or 1 GiB),
-    /// rdmad's accounting says nothing is left, and the victim's allocation still succeeds.
     /// A window bind goes through the queue pair's send queue, and waits there behind what
     /// the client queued: a SEND its peer never posts a receive for is retried for ever,
     /// so the bind never runs. The attacker asks for 600 exports through such a queue pair
@@ -342,6 +336,12 @@ mod bodies {
         wait_for_sessions(&bus, 0).await;
     }
 
+    /// 50 cycles (16 on Soft-RoCE, where each registration of 64 MiB is slow under
+    /// emulation) of allocate 64 MiB → touch every page → free, the client keeping every
+    /// region's descriptor and mapping: once freed, the pages go back whatever the client
+    /// kept. The host's `Shmem` ends within 128 MiB of where it started (one region in
+    /// flight plus the pool's warm set; keeping them alive would be 3.2 GiB, or 1 GiB),
+    /// rdmad's accounting says nothing is left, and the victim's allocation still succeeds.
     pub async fn freed_memory_stops_costing_the_daemon(provider: &str) {
         let _alone = rdmad_tests::ALONE.lock().await;
         let cycles = if provider == "verbs" { 16 } else { 50 };

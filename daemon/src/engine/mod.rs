@@ -296,9 +296,9 @@ impl Engine {
         let (now, held): (Vec<_>, Vec<_>) = freed.into_iter().partition(registry::Freed::unpinned);
         let settlements: Vec<_> = now
             .into_iter()
-            .filter_map(|registry::Freed { mr, settlement }| {
-                drop(mr);
-                settlement
+            .filter_map(|f| {
+                drop(f.mr);
+                f.settlement
             })
             .collect();
         drop(domains);

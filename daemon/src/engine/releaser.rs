@@ -12,11 +12,13 @@
 //! cannot take a user past its quota.
 //!
 //! Whoever reads counts, quota or pool use waits first for the releases queued before the
-//! read ([`Releaser::settled`]), and for a look at the kept registrations: a client that
-//! frees and then looks sees the freed memory gone. An allocation that a quota or a full
-//! pool refuses while releases are queued or registrations kept (when it began, or when it
-//! was refused: one may end in between) waits for them and tries again, so freeing and
-//! then allocating never fails for memory that is on its way out.
+//! read ([`Releaser::settled`]): a client that frees and then looks sees the freed memory
+//! gone. An allocation that a quota or a full pool refuses while releases are queued (when
+//! it began, or when it was refused: one may end in between) waits for them and tries
+//! again, so freeing and then allocating never fails for memory that is on its way out.
+//! The thread looks at what it keeps every [`KEPT_LOOK`], when a QP goes
+//! ([`Releaser::look_again`]), and once more before a refused allocation gives up — not on
+//! every read, so that one registration kept for ever costs other readers nothing.
 
 use std::collections::VecDeque;
 use std::sync::{Arc, Condvar, Mutex};
@@ -129,15 +131,13 @@ impl Releaser {
         }
     }
 
-    /// Whether releases are queued or under way, or registrations kept for requests in
-    /// flight.
+    /// Whether releases are queued or under way.
     pub fn pending(&self) -> bool {
         let q = lock(&self.shared.queue);
-        q.done < q.queued || q.kept > 0
+        q.done < q.queued
     }
 
     /// How many registrations of freed regions requests in flight still hold.
-    #[cfg(test)]
     pub fn kept(&self) -> usize {
         lock(&self.shared.queue).kept
     }
@@ -148,7 +148,9 @@ impl Releaser {
     pub fn settled(&self) {
         let deadline = Instant::now() + SETTLE_WAIT;
         let mut q = lock(&self.shared.queue);
-        if q.kept > 0 {
+        // A release under way may leave a registration kept after this call's ticket: the
+        // look after it sees whether it still is.
+        if q.kept > 0 || q.done < q.queued {
             Self::queue(&mut q, Deferred::default());
             self.shared.wake.notify_one();
         }
@@ -237,7 +239,8 @@ impl Shared {
                     for f in &freed {
                         if !f.unpinned() {
                             tracing::debug!(
-                                "a freed region's registration is held by a request in                                  flight: kept, and counted, until the request lets go of it"
+                                "a freed region's memory is held by a request in flight: \
+                                 kept, and counted, until the request lets go of it"
                             );
                         }
                     }
@@ -252,18 +255,19 @@ impl Shared {
                 .into_iter()
                 .partition(Freed::unpinned);
             kept = still;
+            let released = !now.is_empty();
             let settlements: Vec<_> = now
                 .into_iter()
-                .filter_map(|Freed { mr, settlement }| {
-                    drop(mr);
-                    settlement
+                .filter_map(|f| {
+                    drop(f.mr);
+                    f.settlement
                 })
                 .collect();
-            if ticket {
+            if released {
                 crate::test_hooks::slow_release();
-            }
-            for device in devices {
-                device.retry_lingering();
+                for device in devices {
+                    device.retry_lingering();
+                }
             }
             registry.settle(settlements);
             let mut q = lock(&self.queue);
@@ -350,6 +354,7 @@ mod tests {
         releaser.release(Deferred {
             freed: vec![Freed {
                 mr,
+                domain_registrations: Vec::new(),
                 settlement: None,
             }],
         });
@@ -377,6 +382,7 @@ mod tests {
         releaser.release(Deferred {
             freed: vec![Freed {
                 mr,
+                domain_registrations: Vec::new(),
                 settlement: None,
             }],
         });

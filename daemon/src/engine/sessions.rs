@@ -72,6 +72,7 @@ impl Engine {
     ) -> Result<Handout, EngineError> {
         let pool = self.pool(pool)?;
         let mut waits = 0;
+        let mut looked_at_kept = false;
         loop {
             let releasing = self.releaser.pending();
             match self
@@ -81,12 +82,16 @@ impl Engine {
                 // Memory on its way out still counts: wait for it, then try again. Others
                 // may take the room first (a user's many clients freeing and allocating at
                 // once), so this repeats while releases are queued, a bounded number of
-                // times.
+                // times. Registrations kept for requests in flight may have been let go
+                // since the release thread last looked: one look at them, not more (they
+                // may be kept for ever).
                 Err(e) if waits < SETTLE_ATTEMPTS && wants_room(&e) => {
                     crate::test_hooks::refused_allocation();
-                    if !self.room_on_its_way(releasing) {
+                    let look = !looked_at_kept && self.releaser.kept() > 0;
+                    if !self.room_on_its_way(releasing) && !look {
                         return Err(e);
                     }
+                    looked_at_kept |= look;
                     waits += 1;
                     self.settled();
                 }
@@ -115,7 +120,12 @@ impl Engine {
             .registry
             .allocate_warm(owner, limits, pools, session, pool, size)
         {
-            Err(e) if wants_room(&e) && self.room_on_its_way(releasing) => Ok(None),
+            Err(e)
+                if wants_room(&e)
+                    && (self.room_on_its_way(releasing) || self.releaser.kept() > 0) =>
+            {
+                Ok(None)
+            }
             result => result,
         }
     }

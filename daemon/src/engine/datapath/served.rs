@@ -97,7 +97,7 @@ pub(super) struct ServedQp {
     pub(super) id: QpId,
     pub(super) record: Arc<QueuePairRecord>,
     /// The daemon's own requests (window binds and invalidations) and who waits for them.
-    internal: HashMap<u64, Reply>,
+    internal: HashMap<u64, (Reply, std::time::Instant)>,
     pub(super) sq_head: u32,
     cq_tail: u32,
     /// The id of the worker's next own request (with [`INTERNAL`]).
@@ -178,14 +178,21 @@ impl ServedQp {
 
     /// Whether the worker may look at this QP only now and then (once nothing has moved
     /// for it for a while): no completions waiting for ring space, no request of the
-    /// daemon's own (a window bind, whose caller waits) in flight. The client's requests in
+    /// daemon's own (a window bind, whose caller waits) in flight that its caller still
+    /// waits for. The client's requests in
     /// flight do not keep it busy: a receive may wait for ever for its message, and so may
     /// a SEND, retried for as long as its peer posts no receive — a user's QPs parked so
     /// would otherwise make every pass of the worker its neighbours share look at each of
     /// them. A software device that moves a request a turn at a time keeps its QP busy
     /// (something moves on every pass).
     pub(super) fn may_rest(&self) -> bool {
-        self.backlog.is_empty() && self.internal.is_empty()
+        // A request of the daemon's own whose caller gave up waiting (it may sit for ever
+        // behind a SEND that is never received) no longer keeps the QP busy.
+        self.backlog.is_empty()
+            && self
+                .internal
+                .values()
+                .all(|(_, posted)| posted.elapsed() >= super::worker::RUN_TIMEOUT)
     }
 
     /// Everything the worker does for this QP in one look: takes submissions, polls the CQ
@@ -454,7 +461,7 @@ impl ServedQp {
             } else {
                 None
             };
-            if let Some(waiter) = internal {
+            if let Some((waiter, _)) = internal {
                 self.sends -= 1;
                 let result = match wc.status {
                     WcStatus::Success => Ok(()),
@@ -570,7 +577,8 @@ impl ServedQp {
         match self.record.qp.post_send(std::slice::from_ref(&wr)) {
             Ok(()) => {
                 self.sends += 1;
-                self.internal.insert(wr_id, reply);
+                self.internal
+                    .insert(wr_id, (reply, std::time::Instant::now()));
             }
             Err(e) => {
                 let _ = reply.send(Err(WorkerError::Post(e)));

@@ -50,6 +50,9 @@ pub enum WorkerError {
     Stopped,
 }
 
+/// How long [`Worker::run`] waits for the device to complete the work it posts.
+pub(super) const RUN_TIMEOUT: Duration = Duration::from_secs(60);
+
 /// Where a worker sends the outcome of a command.
 pub type Reply = std::sync::mpsc::Sender<Result<(), WorkerError>>;
 
@@ -166,7 +169,7 @@ impl Worker {
         let (reply, answer) = std::sync::mpsc::channel();
         self.commands.push(Command { qp, op, reply });
         self.poke();
-        match answer.recv_timeout(Duration::from_secs(60)) {
+        match answer.recv_timeout(RUN_TIMEOUT) {
             Ok(result) => result,
             Err(std::sync::mpsc::RecvTimeoutError::Timeout) => Err(WorkerError::TimedOut),
             Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => Err(WorkerError::Stopped),

@@ -207,15 +207,24 @@ pub struct Garbage {
 /// in flight on a data path pins it — so the memory a user holds never exceeds its quota.
 pub struct Freed {
     pub mr: Arc<dyn MemoryRegion>,
+    /// The region's registrations in its session's own domains, which hold the same
+    /// memory: released with the teardown (their rkeys die at once), but a request of a QP
+    /// in one of those domains may still hold one.
+    pub domain_registrations: Vec<std::sync::Weak<dyn MemoryRegion>>,
     pub settlement: Option<Settlement>,
 }
 
 impl Freed {
-    /// Whether the registration is held by nothing but this: once it is, nothing can take
-    /// it again (the registry and every rights snapshot let go of it before), so dropping
-    /// it releases the registration and its memory.
+    /// Whether nothing but this holds the region's memory any more — its own registration
+    /// held by this alone, none of its domain registrations by anything: once so, nothing
+    /// can take them again (the registry and every rights snapshot let go of them before),
+    /// so dropping this releases the registration and its memory.
     pub fn unpinned(&self) -> bool {
         Arc::strong_count(&self.mr) == 1
+            && self
+                .domain_registrations
+                .iter()
+                .all(|r| r.strong_count() == 0)
     }
 }
 

@@ -57,8 +57,11 @@ impl Registry {
             usage.sub(QuotaKind::Keys, region.keys.len() as u64);
             usage.sub(QuotaKind::Exports, region.exports.len() as u64);
         }
+        // This teardown's registrations are the region's (taken out above).
+        let domain_registrations = garbage.registrations.iter().map(Arc::downgrade).collect();
         garbage.freed.push(Freed {
             mr: region.mr,
+            domain_registrations,
             settlement: Some(Settlement {
                 uid: region.owner_uid,
                 size,

@@ -311,10 +311,10 @@ fn a_teardown_rebuilds_each_sessions_rights_once() {
 }
 
 /// A region freed (or whose session closed) while something still holds its registration —
-/// a request in flight on a data path, here a clone of it — stays counted against its
-/// owner's quota and its pool, so freeing under requests that never complete cannot take
-/// a user past its quota; readers do not wait for it. Once let go, the next reader (or
-/// allocation) finds the room given back.
+/// a request in flight on a data path, here a clone of it; or of its registration in one of
+/// the session's own domains — stays counted against its owner's quota and its pool, so
+/// freeing under requests that never complete cannot take a user past its quota. Once let
+/// go, the next reader that waits for releases (or allocation) finds the room given back.
 #[test]
 fn a_freed_region_a_request_still_holds_counts_until_it_is_let_go() {
     let engine = Arc::new(engine_on(
@@ -359,6 +359,41 @@ fn a_freed_region_a_request_still_holds_counts_until_it_is_let_go() {
     assert_eq!(pool.stats().used, 4096, "the third alone");
     assert_eq!(engine.provider_counts().mrs, mrs_before + 1);
     assert!(engine.registry.region_mr(third.region).is_some());
+
+    // A request of a QP in the session's own domain holds the region's registration there,
+    // which holds the same memory: the same.
+    engine
+        .register(
+            &alice.owner,
+            &alice.limits,
+            third.region,
+            1,
+            crate::provider::Span {
+                offset: 0,
+                len: 4096,
+                iova: 0x1000,
+            },
+            crate::provider::Access::LOCAL_WRITE,
+        )
+        .unwrap();
+    let in_domain = {
+        let s = engine.registry.lock();
+        let mut registrations = Registry::registrations_of(&s, third.region);
+        assert_eq!(registrations.len(), 1);
+        registrations.remove(0).1
+    };
+    alice.free(third.region).unwrap();
+    assert_eq!(
+        pool.stats().used,
+        4096,
+        "held through its domain registration"
+    );
+    assert_eq!(engine.releaser.kept(), 1);
+    drop(in_domain);
+    engine.settled();
+    assert_eq!(pool.stats().used, 0);
+    assert_eq!(engine.releaser.kept(), 0);
+    assert_eq!(engine.provider_counts().mrs, mrs_before);
 }
 
 /// `Free` returns while the region's registration is still being released (here the
@@ -385,6 +420,7 @@ fn free_returns_before_the_release_and_the_next_allocation_waits_for_it() {
     engine.releaser.release(Deferred {
         freed: vec![crate::engine::registry::Freed {
             mr: slow,
+            domain_registrations: Vec::new(),
             settlement: None,
         }],
     });
