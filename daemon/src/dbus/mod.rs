@@ -69,9 +69,18 @@ pub enum ServeError {
 /// connections that leave.
 pub struct Served {
     pub connection: Connection,
-    watcher: tokio::task::JoinHandle<()>,
+    watcher: Departures,
     ctx: Arc<Context>,
 }
+
+/// The task that handles departures from the bus, and how to tell it to stop.
+struct Departures {
+    task: tokio::task::JoinHandle<()>,
+    stop: Arc<tokio::sync::Notify>,
+}
+
+/// How long stopping waits for the departures under way to be handled.
+const DEPARTURES_WAIT: std::time::Duration = std::time::Duration::from_secs(10);
 
 /// Serves the objects every connection of rdmad's has — the manager (with its object
 /// manager), the devices and the pools — on the connection `builder` makes: the bus
@@ -164,16 +173,23 @@ pub async fn serve(
 async fn watch_departures(
     connection: &Connection,
     ctx: Arc<Context>,
-) -> Result<tokio::task::JoinHandle<()>, ServeError> {
+) -> Result<Departures, ServeError> {
     use futures_util::StreamExt;
     let dbus = zbus::fdo::DBusProxy::new(connection).await?;
     let mut changes = dbus.receive_name_owner_changed().await?;
     let server = connection.object_server().clone();
-    Ok(tokio::spawn(async move {
-        // Dropped (so aborted) with this task.
+    let stop = Arc::new(tokio::sync::Notify::new());
+    let stopped = Arc::clone(&stop);
+    let task = tokio::spawn(async move {
         let mut departures = tokio::task::JoinSet::new();
+        let handled = |done: Result<(), tokio::task::JoinError>| {
+            if let Err(e) = done {
+                tracing::error!("handling a departure from the bus failed: {e}");
+            }
+        };
         loop {
             tokio::select! {
+                () = stopped.notified() => break,
                 change = changes.next() => {
                     let Some(change) = change else { break };
                     let Ok(args) = change.args() else { continue };
@@ -183,11 +199,19 @@ async fn watch_departures(
                         departures.spawn(async move { ctx.connection_gone(&server, &name).await });
                     }
                 }
-                Some(_) = departures.join_next(), if !departures.is_empty() => {}
+                Some(done) = departures.join_next(), if !departures.is_empty() => handled(done),
             }
         }
-        while departures.join_next().await.is_some() {}
-    }))
+        // Those under way finish (their sessions are out of the registry: their objects
+        // must be withdrawn too), within a bound; what is left then is aborted.
+        let _ = tokio::time::timeout(DEPARTURES_WAIT, async {
+            while let Some(done) = departures.join_next().await {
+                handled(done);
+            }
+        })
+        .await;
+    });
+    Ok(Departures { task, stop })
 }
 
 /// Gives up the bus name, closes the direct connections, then withdraws every object so
@@ -198,9 +222,9 @@ pub async fn unserve(served: Served, engine: &Engine) {
         watcher,
         ctx,
     } = served;
-    watcher.abort();
+    watcher.stop.notify_one();
     // Wait until the task (and the engine reference it holds) is gone.
-    let _ = watcher.await;
+    let _ = watcher.task.await;
     // Direct connections: shut now; what was opened on them closes as they end.
     ctx.direct.shut_all();
     if let Err(e) = connection.release_name(BUS_NAME).await {
