@@ -294,13 +294,7 @@ impl Engine {
         // attachment) hold go to the release thread, which keeps them until they are let
         // go; the rest go now.
         let (now, held): (Vec<_>, Vec<_>) = freed.into_iter().partition(registry::Freed::unpinned);
-        let settlements: Vec<_> = now
-            .into_iter()
-            .filter_map(|f| {
-                drop(f.mr);
-                f.settlement
-            })
-            .collect();
+        let settlements = registry::Freed::let_go(now);
         drop(domains);
         self.registry.settle(settlements);
         if !held.is_empty() {

@@ -256,13 +256,7 @@ impl Shared {
                 .partition(Freed::unpinned);
             kept = still;
             let released = !now.is_empty();
-            let settlements: Vec<_> = now
-                .into_iter()
-                .filter_map(|f| {
-                    drop(f.mr);
-                    f.settlement
-                })
-                .collect();
+            let settlements = Freed::let_go(now);
             if released {
                 crate::test_hooks::slow_release();
                 for device in devices {

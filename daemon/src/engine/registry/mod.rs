@@ -215,6 +215,18 @@ pub struct Freed {
 }
 
 impl Freed {
+    /// Lets go of `freed` (each the last holder of its registration, which goes with it, and
+    /// its memory); returns what they held of quotas and pools, to settle.
+    pub fn let_go(freed: Vec<Freed>) -> Vec<Settlement> {
+        freed
+            .into_iter()
+            .filter_map(|f| {
+                drop(f.mr);
+                f.settlement
+            })
+            .collect()
+    }
+
     /// Whether nothing but this holds the region's memory any more — its own registration
     /// held by this alone, none of its domain registrations by anything: once so, nothing
     /// can take them again (the registry and every rights snapshot let go of them before),
