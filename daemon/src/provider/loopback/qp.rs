@@ -5,9 +5,11 @@
 //! costing at least [`REQUEST_COST`]), then lets go of the execution lock; a request larger
 //! than that moves on a chunk per turn, its progress kept at the head of the queue. The
 //! next turn comes when the CQ the QP feeds is polled, as a software device progresses when
-//! its user polls. So no request, however large, holds the device (and every other QP on
-//! it) for longer than one chunk's copy, and the worker that polls QP by QP gives each QP
-//! one turn per pass.
+//! its user polls; a post runs the queue too (a post of receives its peer's as well). So no
+//! request, however large, holds the device (and every other QP on it) for longer than one
+//! chunk's copy, and a worker's pass, which posts a QP's new requests and polls its CQ once,
+//! runs its queue at most four times: when it posts sends, when it posts receives, when it
+//! polls, and when the peer's receives are posted.
 //!
 //! What rxe does, and what is done here:
 //! - Responder checks run in rxe's order: QP state → opcode allowed by the responder QP's
