@@ -293,8 +293,7 @@ impl Engine {
         // Regions that requests still in flight (another session's, through an
         // attachment) hold go to the release thread, which keeps them until they are let
         // go; the rest go now.
-        let (now, held): (Vec<_>, Vec<_>) = freed.into_iter().partition(registry::Freed::unpinned);
-        let settlements = registry::Freed::let_go(now);
+        let (settlements, held) = registry::Freed::let_go(freed);
         drop(domains);
         self.registry.settle(settlements);
         if !held.is_empty() {

@@ -251,13 +251,10 @@ impl Shared {
                 // What requests still hold goes when they let go of it.
                 Next::Stop => return,
             };
-            let (now, still): (Vec<Freed>, Vec<Freed>) = std::mem::take(&mut kept)
-                .into_iter()
-                .partition(Freed::unpinned);
+            let before = kept.len();
+            let (settlements, still) = Freed::let_go(std::mem::take(&mut kept));
             kept = still;
-            let released = !now.is_empty();
-            let settlements = Freed::let_go(now);
-            if released {
+            if kept.len() < before {
                 crate::test_hooks::slow_release();
                 for device in devices {
                     device.retry_lingering();

@@ -178,13 +178,12 @@ impl ServedQp {
 
     /// Whether the worker may look at this QP only now and then (once nothing has moved
     /// for it for a while): no completions waiting for ring space, no request of the
-    /// daemon's own (a window bind, whose caller waits) in flight that its caller still
-    /// waits for. The client's requests in
-    /// flight do not keep it busy: a receive may wait for ever for its message, and so may
-    /// a SEND, retried for as long as its peer posts no receive — a user's QPs parked so
-    /// would otherwise make every pass of the worker its neighbours share look at each of
-    /// them. A software device that moves a request a turn at a time keeps its QP busy
-    /// (something moves on every pass).
+    /// daemon's own (a window bind) in flight that its caller still waits for. The client's
+    /// requests in flight do not keep it busy: a receive may wait for ever for its message,
+    /// and so may a SEND, retried for as long as its peer posts no receive — a user's QPs
+    /// parked so would otherwise make every pass of the worker its neighbours share look at
+    /// each of them. A software device that moves a request a turn at a time keeps its QP
+    /// busy (something moves on every pass).
     pub(super) fn may_rest(&self) -> bool {
         // A request of the daemon's own whose caller gave up waiting (it may sit for ever
         // behind a SEND that is never received) no longer keeps the QP busy.

@@ -215,16 +215,19 @@ pub struct Freed {
 }
 
 impl Freed {
-    /// Lets go of `freed` (each the last holder of its registration, which goes with it, and
-    /// its memory); returns what they held of quotas and pools, to settle.
-    pub fn let_go(freed: Vec<Freed>) -> Vec<Settlement> {
-        freed
+    /// Lets go of those of `freed` nothing else holds (the last holder of its registration,
+    /// which goes with it, and its memory: see [`Freed::unpinned`]); returns what they held
+    /// of quotas and pools, to settle, and the others, still held.
+    pub fn let_go(freed: Vec<Freed>) -> (Vec<Settlement>, Vec<Freed>) {
+        let (now, held): (Vec<Freed>, Vec<Freed>) = freed.into_iter().partition(Freed::unpinned);
+        let settlements = now
             .into_iter()
             .filter_map(|f| {
                 drop(f.mr);
                 f.settlement
             })
-            .collect()
+            .collect();
+        (settlements, held)
     }
 
     /// Whether nothing but this holds the region's memory any more — its own registration
