@@ -18,7 +18,6 @@ use super::wire;
 use crate::engine::{
     Access, AttachMode, ExportId, KeyId, QpId, RegionId, RegistrationId, RemoteRights, Span,
 };
-use crate::policy;
 
 pub struct RegionObject {
     ctx: Arc<Context>,
@@ -119,16 +118,13 @@ impl RegionObject {
             .filter(|_| qp.as_str().starts_with(rdmad_client::names::QP_PATH_PREFIX))
             .ok_or_else(|| Error::InvalidArgument(format!("{qp} is not a queue pair's path")))?;
         let caller = self.ctx.caller(connection, &header).await?;
-        let (id, config) = (self.id, self.ctx.config());
+        let (id, limits) = (self.id, self.ctx.grants(&caller).await?.limits.clone());
         // The bind waits for the queue pair's send queue to reach it: a thread at most
         // `WINDOW_WORK_PER_USER` of the caller's calls hold at once.
         let turn = self.ctx.window_work.take(caller.uid).await?;
         let export = self
             .ctx
-            .blocking(move |e| {
-                let limits = policy::limits(&caller, &config);
-                e.export_remote(&caller.owner(), &limits, id, QpId(qp_id), access)
-            })
+            .blocking(move |e| e.export_remote(&caller.owner(), &limits, id, QpId(qp_id), access))
             .await??;
         drop(turn);
         tracing::info!(
@@ -189,13 +185,12 @@ impl RegionObject {
         let length = opts.unsigned("length")?;
         let iova = opts.unsigned("iova")?;
         let caller = self.ctx.caller(connection, &header).await?;
-        let (id, config) = (self.id, self.ctx.config());
+        let grants = self.ctx.grants(&caller).await?;
+        let (id, limits, scope) = (self.id, grants.limits.clone(), grants.scope);
         let handout = self
             .ctx
             .blocking(move |e| {
-                let size = e
-                    .region(&caller.owner(), policy::scope(&caller, &config), id)?
-                    .size;
+                let size = e.region(&caller.owner(), scope, id)?.size;
                 let length = length.unwrap_or(size.saturating_sub(offset));
                 let (Ok(offset), Ok(len)) = (usize::try_from(offset), usize::try_from(length))
                 else {
@@ -208,7 +203,6 @@ impl RegionObject {
                     len,
                     iova: iova.unwrap_or(offset as u64),
                 };
-                let limits = policy::limits(&caller, &config);
                 e.register(&caller.owner(), &limits, id, domain, span, access)
             })
             .await??;

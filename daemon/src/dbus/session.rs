@@ -111,12 +111,10 @@ impl SessionObject {
         #[zbus(object_server)] server: &ObjectServer,
     ) -> Result<(), Error> {
         let caller = self.ctx.caller(connection, &header).await?;
-        let (id, uid, config) = (self.id, caller.uid, self.ctx.config());
+        let (id, uid, scope) = (self.id, caller.uid, self.ctx.scope(&caller).await?);
         let removed = self
             .ctx
-            .blocking(move |e| {
-                e.close_session(&caller.owner(), policy::scope(&caller, &config), id)
-            })
+            .blocking(move |e| e.close_session(&caller.owner(), scope, id))
             .await??;
         tracing::info!(
             session = %self.id,
@@ -231,18 +229,11 @@ impl SessionObject {
         let opts = Options::new("CreateQueuePair", &options, &QP_OPTIONS)?;
         let qp_options = qp_options("CreateQueuePair", &opts)?;
         let caller = self.ctx.caller(connection, &header).await?;
-        let (session, creating, on, config) = (
-            self.id,
-            caller.clone(),
-            device.to_owned(),
-            self.ctx.config(),
-        );
+        let (session, owner, on) = (self.id, caller.owner(), device.to_owned());
+        let limits = self.ctx.grants(&caller).await?.limits.clone();
         let q = self
             .ctx
-            .blocking(move |e| {
-                let limits = policy::limits(&creating, &config);
-                e.create_qp(&creating.owner(), &limits, session, &on, qp_options)
-            })
+            .blocking(move |e| e.create_qp(&owner, &limits, session, &on, qp_options))
             .await??;
         let id = q.id;
         self.ctx.publish_qp(server, &caller, id).await?;
@@ -370,13 +361,13 @@ impl SessionObject {
             tokio::pin!(woken);
             woken.as_mut().enable();
             let turn = self.ctx.connecting.take(caller.uid).await?;
-            let (accepting, config) = (caller.clone(), self.ctx.config());
+            let (owner, limits) = (
+                caller.owner(),
+                self.ctx.grants(&caller).await?.limits.clone(),
+            );
             let taken = self
                 .ctx
-                .blocking(move |e| {
-                    let limits = policy::limits(&accepting, &config);
-                    e.accept(&accepting.owner(), &limits, ListenerId(listener))
-                })
+                .blocking(move |e| e.accept(&owner, &limits, ListenerId(listener)))
                 .await??;
             drop(turn);
             if let Some(done) = taken {
