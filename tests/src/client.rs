@@ -170,3 +170,11 @@ pub fn assert_completion(c: &Value, wr_id: u64, status: &str, opcode: &str) {
         "{c}"
     );
 }
+
+/// The entry of a listing the test client printed (`pools`, `quota UID`, …) whose `name` is
+/// `name`.
+pub fn named<'a>(list: &'a Value, name: &str) -> &'a Value {
+    list.as_array()
+        .and_then(|entries| entries.iter().find(|e| e["name"] == name))
+        .unwrap_or_else(|| panic!("no {name:?} in {list}"))
+}

@@ -10,7 +10,7 @@
 //! - A quota one user could fill a whole pool with is logged as a warning at start and at
 //!   reload.
 
-use rdmad_tests::client::Client;
+use rdmad_tests::client::{named, Client};
 use rdmad_tests::daemon::{rdmactl_ok, start_on, wait_for_sessions};
 use rdmad_tests::{repo_root, NOBODY};
 use serde_json::Value;
@@ -24,17 +24,6 @@ rdmad::on_both_providers!(async
 
 /// A second unprivileged user, present on every Debian system (`daemon`).
 const OTHER: u32 = 1;
-
-/// The line of `GetQuota` (as the test client prints it) for `name`.
-fn quota_entry(quota: &Value, name: &str) -> Value {
-    quota
-        .as_array()
-        .unwrap()
-        .iter()
-        .find(|q| q["name"] == name)
-        .unwrap_or_else(|| panic!("no {name} in {quota}"))
-        .clone()
-}
 
 /// `(used, limit, source)` of one quota line, from `GetQuota` or `rdmactl quota -j`.
 fn use_of(entry: &Value) -> (u64, u64, String) {
@@ -95,9 +84,9 @@ mod bodies {
         // The operator sees both users' use and where the limit comes from.
         let expected = |used| (used, LIMIT, "quota.default.exports".to_owned());
         let quota = admin.ok(&format!("quota {NOBODY}"));
-        assert_eq!(use_of(&quota_entry(&quota, "exports")), expected(LIMIT));
+        assert_eq!(use_of(named(&quota, "exports")), expected(LIMIT));
         let quota = admin.ok(&format!("quota {OTHER}"));
-        assert_eq!(use_of(&quota_entry(&quota, "exports")), expected(1));
+        assert_eq!(use_of(named(&quota, "exports")), expected(1));
         let json: Value =
             serde_json::from_str(&rdmactl_ok(&bus, None, &["-j", "quota", "nobody"])).unwrap();
         let line = json
@@ -109,14 +98,14 @@ mod bodies {
         assert_eq!(use_of(line), expected(LIMIT), "{json}");
         // And the tenant its own.
         let own = tenant.ok(&format!("quota {NOBODY}"));
-        assert_eq!(use_of(&quota_entry(&own, "exports")), expected(LIMIT));
+        assert_eq!(use_of(named(&own, "exports")), expected(LIMIT));
 
         // Every window works on its own: releasing one leaves the others' rkeys working,
         // and gives one export back.
         let first = &exports[0];
         tenant.ok(&format!("unexport 0 {}", first[3]));
         let quota = admin.ok(&format!("quota {NOBODY}"));
-        assert_eq!(use_of(&quota_entry(&quota, "exports")), expected(LIMIT - 1));
+        assert_eq!(use_of(named(&quota, "exports")), expected(LIMIT - 1));
         let second = &exports[1];
         other.ok(&format!("post 0 write 0 0 8 1 {} {}", second[0], second[1]));
         let done = other.ok("wait 0");
@@ -131,9 +120,9 @@ mod bodies {
         tenant.kill();
         wait_for_sessions(&bus, 1).await;
         let quota = admin.ok(&format!("quota {NOBODY}"));
-        assert_eq!(use_of(&quota_entry(&quota, "exports")), expected(0));
+        assert_eq!(use_of(named(&quota, "exports")), expected(0));
         let quota = admin.ok(&format!("quota {OTHER}"));
-        assert_eq!(use_of(&quota_entry(&quota, "exports")), expected(1));
+        assert_eq!(use_of(named(&quota, "exports")), expected(1));
         other.ok(&format!("unexport 0 {}", theirs[3]));
     }
 
@@ -167,13 +156,8 @@ mod bodies {
         for r in 0..REGIONS {
             tenant.ok(&format!("free {r}"));
         }
-        let regions_used = |admin: &mut Client| {
-            use_of(&quota_entry(
-                &admin.ok(&format!("quota {NOBODY}")),
-                "regions",
-            ))
-            .0
-        };
+        let regions_used =
+            |admin: &mut Client| use_of(named(&admin.ok(&format!("quota {NOBODY}")), "regions")).0;
         assert_eq!(regions_used(&mut admin), REGIONS, "the receives hold them");
         let refused = tenant.err("alloc default 4096", "org.rdmad1.Error.QuotaExceeded");
         assert!(
@@ -235,7 +219,7 @@ async fn under_the_shipped_config_one_user_cannot_exhaust_the_pool() {
         "{refusal}"
     );
     let quota = greedy.ok(&format!("quota {NOBODY}"));
-    let (used, limit, source) = use_of(&quota_entry(&quota, "registered_bytes"));
+    let (used, limit, source) = use_of(named(&quota, "registered_bytes"));
     assert_eq!(used, granted * largest);
     assert!(used <= limit && used + largest > limit, "{quota}");
     assert_eq!(source, "the built-in default");

@@ -46,7 +46,7 @@ mod bodies {
 
     use nix::sys::signal::Signal;
     use rdmad_tests::bus::PrivateBus;
-    use rdmad_tests::client::Client;
+    use rdmad_tests::client::{named, Client};
     use rdmad_tests::daemon::{object_counts, start_on, wait_for_sessions, Daemon};
     use rdmad_tests::{kernel_verbs_objects, NOBODY};
     use serde_json::Value;
@@ -241,13 +241,7 @@ mod bodies {
             CALLS
         );
         let exports_in_use = |admin: &mut Client| {
-            let quota = admin.ok(&format!("quota {NOBODY}"));
-            quota
-                .as_array()
-                .unwrap()
-                .iter()
-                .find(|q| q["name"] == "exports")
-                .unwrap_or_else(|| panic!("no exports in {quota}"))["used"]
+            named(&admin.ok(&format!("quota {NOBODY}")), "exports")["used"]
                 .as_u64()
                 .unwrap()
         };
@@ -382,13 +376,7 @@ mod bodies {
             );
         }
         assert_eq!(attacker.ok("read 1 0 8"), "\0".repeat(8));
-        let charged = quota
-            .as_array()
-            .expect("a list")
-            .iter()
-            .find(|q| q["name"] == "registered_bytes")
-            .unwrap_or_else(|| panic!("no registered_bytes in {quota}"))["used"]
-            .clone();
+        let charged = named(&quota, "registered_bytes")["used"].clone();
         assert_eq!(charged, 0, "the operator sees nothing charged: {quota}");
         victim.ok("alloc default 4096");
         let counts = object_counts(&bus).await;

@@ -23,7 +23,7 @@ mod bodies {
     use std::collections::HashMap;
 
     use rdmad_tests::bus::PrivateBus;
-    use rdmad_tests::client::Client;
+    use rdmad_tests::client::{named, Client};
     use rdmad_tests::daemon::{object_counts, start_on, wait_for_sessions};
     use rdmad_tests::rng::Rng;
     use rdmad_tests::{kernel_verbs_objects, NOBODY};
@@ -79,13 +79,7 @@ mod bodies {
 
     fn quota_use(c: &mut Client, name: &str) -> (u64, u64) {
         let quota = c.ok(&format!("quota {NOBODY}"));
-        let entry = quota
-            .as_array()
-            .unwrap()
-            .iter()
-            .find(|q| q["name"] == name)
-            .unwrap_or_else(|| panic!("no {name} in {quota}"))
-            .clone();
+        let entry = named(&quota, name);
         (
             entry["used"].as_u64().unwrap(),
             entry["limit"].as_u64().unwrap(),

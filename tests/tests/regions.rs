@@ -4,7 +4,7 @@
 
 use futures_util::StreamExt;
 use rdmad_client::proxy::ManagerProxy;
-use rdmad_tests::client::Client;
+use rdmad_tests::client::{named, Client};
 use rdmad_tests::daemon::{object_counts, start_on, start_with_env};
 use rdmad_tests::NOBODY;
 use serde_json::Value;
@@ -34,13 +34,6 @@ mod bodies {
     /// A second unprivileged user, present on every Debian system (`daemon`); the bus only
     /// accepts uids that have a passwd entry.
     const OTHER: u32 = 1;
-
-    /// The entry of a listing (`pools`, `quota UID`) whose `name` is `name`.
-    fn named<'a>(list: &'a Value, name: &str) -> &'a Value {
-        list.as_array()
-            .and_then(|entries| entries.iter().find(|e| e["name"] == name))
-            .unwrap_or_else(|| panic!("no {name:?} in {list}"))
-    }
 
     /// Pools without warm regions, so provider counts are exact at every moment.
     const COLD: &str = "[[pool]]\nname = \"cold\"\ncapacity = \"64MiB\"\n\
